@@ -1,0 +1,71 @@
+"""The attention backend interface and the metadata every backend receives.
+
+Tokens arrive flat and packed (no padding); decode requests (one query token) come first:
+
+    tokens:          [ d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 ]      3 decodes, 2 prefill chunks
+    query_start_loc: [ 0,   1,   2,   3,            7,    9 ]
+    seq_lens:        [ 40,  17,  90,  4 + cached0,  2 + cached1 ]   context length after this step
+    block_tables:    (num_reqs, max_blocks) block ids, padded with 0 (masked by seq_lens)
+    slot_mapping:    (num_tokens,) block_id * block_size + offset where each new K/V is written
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int
+    """Requests with exactly one query token; they are the first `num_decodes` requests."""
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32, cumulative query lengths."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32, tokens in each request's context after this step."""
+    block_tables: torch.Tensor
+    """(num_reqs, max_num_blocks) int32."""
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64, cache slot of each new token."""
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    backend_data: dict = field(default_factory=dict)
+    """Per-step tensors a backend derives once and reuses in every layer."""
+
+
+class AttentionBackend(abc.ABC):
+    """Writes new K/V into the paged cache and computes attention for a packed batch."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key, value (num_tokens, num_kv_heads, head_dim) into kv_cache
+        (2, num_blocks, block_size, num_kv_heads, head_dim) at slot_mapping."""
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+        """query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim), each query
+        attending to its request's cached context causally (and within the window)."""
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Backends by name, imported lazily so CPU installs never import Triton."""
+    if name == "torch":
+        from kvtide.attention.torch_ref import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kvtide.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be one of auto, torch, triton; got {name!r}")

@@ -1,0 +1,128 @@
+"""Engine configuration: small frozen area configs, each field with a default and a docstring.
+
+The CLI builds its flags from `EngineArgs` (same names as vLLM's), so the help text and the
+defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+               "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(value: int | str) -> int:
+    """'2GiB' / '512MiB' / '1e9' / 123 -> bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _SIZE_UNITS:
+            raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use bytes or e.g. '2GiB', '512MiB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+    return size
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
+    """'auto' means float32 on CPU (bf16 matmuls are slow without AMX) and the checkpoint's dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how to run it."""
+
+    model: str
+    """Local directory or Hugging Face hub id of the checkpoint ('demo' builds a tiny local one)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id; defaults to `model`."""
+    dtype: torch.dtype = torch.float32
+    """Resolved parameter and activation dtype."""
+    max_model_len: int = 2048
+    """Longest sequence (prompt + output) a request may reach."""
+    seed: int = 0
+    """Seed for the random state of unseeded sampling."""
+    trust_remote_code: bool = False
+    """Never execute code shipped with a checkpoint unless set."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit)."""
+    hf_config: Any = None
+    """The transformers PretrainedConfig the model is built from."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 0
+    """Blocks in the pool (per layer); computed from kv_cache_memory."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache across all layers; None: gpu_memory_utilization on GPU, 2GiB on CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose token prefix was computed before."""
+    prefix_caching_hash_algo: str = "sha256"
+    """Hash for prefix-cache block keys: sha256 or xxh128 (both collision resistant for this use)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler."""
+
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens (prefill chunks + decodes) computed in one step."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    policy: str = "fcfs"
+    """'fcfs' (arrival order) or 'priority' (lower value first, then arrival)."""
+    max_waiting_requests: int | None = None
+    """Bound on queued requests; beyond it new requests are refused (server: 429)."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    """'cpu' or 'cuda'."""
+    attention_backend: str = "torch"
+    """'torch' (reference, any device) or 'triton' (GPU kernels)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def replace_cache(self, **kwargs: Any) -> EngineConfig:
+        return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

@@ -1,0 +1,100 @@
+"""InputProcessor: user prompt + SamplingParams -> validated EngineCoreRequests.
+
+Everything a user can get wrong is checked here, raising ValueError that names the parameter,
+before any engine state changes. A request with n > 1 becomes n engine-core requests
+("{index}_{request_id}", seed + index when seeded), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from kvtide.engine.request import EngineCoreRequest
+from kvtide.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+        text: str | None = None
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], None
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            token_ids = prompt
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError("prompt: 'prompt' must be a string")
+            if text == "":
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_ids = self._check_token_ids(token_ids)
+        return ProcessedPrompt(text, token_ids)
+
+    def _check_token_ids(self, token_ids: Sequence[Any]) -> list[int]:
+        if len(token_ids) == 0:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        return list(token_ids)
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        self.check_params(params, len(prompt.prompt_token_ids))
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids or []) | \
+            (set() if params.ignore_eos else set(self.eos_token_ids))
+        arrival = arrival_time if arrival_time is not None else time.time()
+        num = params.num_samples
+        requests = []
+        for index in range(num):
+            child_params = params if num == 1 else params.clone(
+                n=1, best_of=None, seed=None if params.seed is None else params.seed + index,
+                logprobs=params.logprobs if params.best_of is None or params.logprobs is not None else 0)
+            child_id = request_id if num == 1 else f"{index}_{request_id}"
+            requests.append(EngineCoreRequest(child_id, prompt.prompt_token_ids, child_params,
+                                              list(self.eos_token_ids), arrival, priority))
+        return requests

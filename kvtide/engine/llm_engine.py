@@ -1,0 +1,60 @@
+"""LLMEngine: the in-process engine (input processing, engine core, output processing).
+
+    add_request(id, prompt, params)  ->  validated, split into n core requests, queued
+    step()                           ->  one core step; RequestOutputs of what changed
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+from kvtide.engine.core import EngineCore
+from kvtide.engine.input_processor import InputProcessor, PromptType
+from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
+from kvtide.outputs import RequestOutput
+from kvtide.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, core: EngineCore, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: list[int]) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(tokenizer, vocab_size, max_model_len, eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """Validate and queue a request. Raises ValueError before changing anything."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        processed = self.input_processor.process_prompt(prompt)
+        core_requests = self.input_processor.make_requests(request_id, processed, params, priority)
+        for core_request in core_requests:
+            self.core.check_request(core_request)
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
+                                          params, [r.request_id for r in core_requests], output_kind,
+                                          core_requests[0].arrival_time)
+        for core_request in core_requests:
+            self.core.add_request(core_request)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        child_ids = self.output_processor.abort_requests(list(request_ids))
+        self.core.abort_requests(child_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:
+            self.core.stop_requests(to_abort)
+        return outputs

@@ -1,0 +1,178 @@
+"""EngineArgs: the user-facing knobs (vLLM's names), turned into a validated EngineConfig.
+
+One table of fields feeds `LLM(...)`, `kvtide generate` and `kvtide serve`, so a flag, its
+default and its help text are written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+from kvtide.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                           parse_size, resolve_dtype)
+
+CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str = "demo"
+    """Checkpoint directory, Hugging Face hub id, or 'demo' (a tiny random Llama built locally)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id (default: the model's)."""
+    revision: str | None = None
+    """Hub revision of the model."""
+    dtype: str = "auto"
+    """auto, float32, bfloat16 or float16 (auto: float32 on CPU, the checkpoint's on GPU)."""
+    max_model_len: int | None = None
+    """Longest prompt + output (default: the model's max_position_embeddings)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory: str | None = None
+    """KV cache size in bytes or with a unit, e.g. '2GiB' (default on CPU: 1GiB)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory to use when kv_cache_memory is not given."""
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget per step (default: max(8192, max_model_len) without chunked prefill, else 8192)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of prompt prefixes computed before."""
+    prefix_caching_hash_algo: str = "sha256"
+    """sha256 or xxh128."""
+    scheduling_policy: str = "fcfs"
+    """fcfs or priority."""
+    max_waiting_requests: int | None = None
+    """Refuse new requests beyond this many queued (server: 429)."""
+    seed: int = 0
+    """Seed for unseeded random sampling."""
+    trust_remote_code: bool = False
+    """Allow executing code shipped with the checkpoint (off: such checkpoints are refused)."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    attention_backend: str = "auto"
+    """auto, torch or triton (auto: triton on CUDA, torch elsewhere)."""
+
+    # ---- CLI ---------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        docs = _field_docs(cls)
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = docs.get(f.name, "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=help_text)
+            else:
+                kind = int if "int" in str(f.type) else (float if "float" in str(f.type) else str)
+                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    # ---- config ------------------------------------------------------------------------------
+    def resolve_model_dir(self) -> str:
+        if self.model == "demo":
+            from kvtide.models.demo import demo_model_path
+
+            return demo_model_path()
+        if os.path.isdir(self.model):
+            return self.model
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(self.model, revision=self.revision,
+                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        except Exception as e:
+            raise ValueError(f"model {self.model!r} is neither a local directory nor a reachable "
+                             f"Hugging Face hub id ({type(e).__name__}: {e})") from e
+
+    def create_engine_config(self, model_dir: str) -> EngineConfig:
+        from transformers import AutoConfig
+
+        from kvtide.models.registry import resolve_architecture
+
+        try:
+            hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
+        except Exception as e:
+            raise ValueError(f"cannot read the model config in {model_dir}: {e}") from e
+        resolve_architecture(hf_config)
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {backend!r}")
+        dtype = resolve_dtype(self.dtype, getattr(hf_config, "torch_dtype", None) or
+                              getattr(hf_config, "dtype", None), device)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or limit
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                             f"({limit}); lower --max-model-len")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        budget = self.max_num_batched_tokens or (8192 if self.enable_chunked_prefill
+                                                 else max(8192, max_model_len))
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+                             f"({max_model_len}) when chunked prefill is off")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        return EngineConfig(
+            model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=dtype,
+                                     max_model_len=max_model_len, seed=self.seed,
+                                     trust_remote_code=self.trust_remote_code, revision=self.revision,
+                                     hf_config=hf_config),
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
+                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     prefix_caching_hash_algo=self.prefix_caching_hash_algo),
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             policy=self.scheduling_policy,
+                                             max_waiting_requests=self.max_waiting_requests),
+            device_config=DeviceConfig(device=device, attention_backend=backend),
+        )
+
+    def replace(self, **kwargs) -> EngineArgs:
+        return dataclasses.replace(self, **kwargs)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal under each field) for --help."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and \
+                isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]
+    return docs

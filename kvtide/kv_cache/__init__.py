@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: blocks, ref counts, prefix hashes. No tensors live here."""

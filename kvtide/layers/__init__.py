@@ -1,0 +1,1 @@
+"""Building blocks of the models; each parameter carries a `weight_loader` for checkpoint shards."""

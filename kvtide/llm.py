@@ -1,0 +1,97 @@
+"""LLM: the offline API. Give it prompts, get RequestOutputs back, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvtide.bootstrap import build_engine_core, load_tokenizer
+from kvtide.engine.input_processor import PromptType
+from kvtide.engine.llm_engine import LLMEngine
+from kvtide.engine_args import EngineArgs
+from kvtide.outputs import RequestOutput
+from kvtide.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=..., dtype=..., max_model_len=..., block_size=16, kv_cache_memory=...,
+    max_num_seqs=..., max_num_batched_tokens=..., seed=...)`; any EngineArgs field is accepted."""
+
+    def __init__(self, model: str = "demo", **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        core, info = build_engine_core(self.engine_args)
+        self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
+        self.model_info = info
+        self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, Sequence) else \
+            [sampling_params] * len(prompt_list)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
+        # Validate everything before queueing anything.
+        for prompt, params in zip(prompt_list, params_list):
+            processed = self.engine.input_processor.process_prompt(prompt)
+            self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            request_id = self.engine.next_request_id()
+            self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            # The template places BOS itself: tokenize once, adding no special tokens.
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(self.engine.output_processor.requests))
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.core.reset_prefix_cache()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence):
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")

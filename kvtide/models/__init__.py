@@ -1,0 +1,1 @@
+"""Model implementations (plain nn.Modules), the architecture registry and the weight loader."""

@@ -1,0 +1,174 @@
+"""Llama-family decoder: Llama, and (through small options) Mistral, Qwen2 and Qwen3.
+
+    embed -> N x [RMSNorm -> attention (fused qkv, rope, paged KV) -> RMSNorm -> gated MLP] -> norm
+    -> LM head, applied only to the positions the sampler needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvtide.attention.backend import AttentionMetadata
+from kvtide.layers.activation import SiluAndMul
+from kvtide.layers.attention import Attention
+from kvtide.layers.embedding import LMHead, VocabEmbedding
+from kvtide.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                  default_weight_loader)
+from kvtide.layers.norm import RMSNorm
+from kvtide.layers.rotary import RotaryEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                          self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              scale=self.head_dim ** -0.5,
+                              sliding_window=sliding_window_for_layer(config, layer_idx))
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, max_model_len, dtype, qkv_bias, o_bias,
+                                        qk_norm, rotary)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def sliding_window_for_layer(config, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    """Bias on q, k, v regardless of config.attention_bias (Qwen2)."""
+    o_bias_from_config = True
+    """Whether config.attention_bias also puts a bias on o_proj (not in Qwen2)."""
+    qk_norm = False
+    # checkpoint name -> (fused parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = self.qkv_bias or attention_bias
+        o_bias = attention_bias and self.o_bias_from_config
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, max_model_len, dtype, qkv_bias, o_bias, self.qk_norm, rotary)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie(self.embed_tokens)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, hidden_size)."""
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) float32."""
+        return self.lm_head.logits(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors by HF name; returns the parameter names that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            target, shard_id = name, None
+            for ckpt_name, (fused, shard) in self.packed_modules_mapping.items():
+                if f".{ckpt_name}." in name:
+                    target, shard_id = name.replace(ckpt_name, fused), shard
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            param = params[target]
+            tensor = tensor.to(param.dtype)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding attention window (config.sliding_window)."""

@@ -1,0 +1,1 @@
+"""Batched token sampling on tensors: logits processors, masks, seeded draws, logprobs."""

@@ -1,0 +1,90 @@
+"""Tensor operations of the sampler, each usable and testable alone."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtide.sampling.metadata import SamplingMetadata
+from kvtide.scheduler.output import TopLogprobs
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(R, V) int counts of each token id per row."""
+    ids = _padded(rows, vocab_size, device)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens masking, then repetition (prompt + output, transformers' rule:
+    divide positive logits, multiply negative ones), presence and frequency (output only)."""
+    logits = logits.clone()
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    for i, row in enumerate(md.rows):
+        params = row.params
+        if params.logit_bias:
+            ids = torch.tensor([t for t in params.logit_bias if t < vocab_size], dtype=torch.int64)
+            bias = torch.tensor([params.logit_bias[int(t)] for t in ids], dtype=logits.dtype)
+            logits[i].index_add_(0, ids.to(device), bias.to(device))
+        if len(row.output_token_ids) < params.min_tokens:
+            stop_ids = [t for t in params.all_stop_token_ids if t < vocab_size]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+
+    rep = torch.tensor([r.params.repetition_penalty for r in md.rows], dtype=logits.dtype, device=device)
+    pres = torch.tensor([r.params.presence_penalty for r in md.rows], dtype=logits.dtype, device=device)
+    freq = torch.tensor([r.params.frequency_penalty for r in md.rows], dtype=logits.dtype, device=device)
+    if bool((rep != 1.0).any()) or bool((pres != 0).any()) or bool((freq != 0).any()):
+        output_counts = token_counts([r.output_token_ids for r in md.rows], vocab_size, device)
+        if bool((rep != 1.0).any()):
+            seen = token_counts([r.prompt_token_ids for r in md.rows], vocab_size, device) > 0
+            seen |= output_counts > 0
+            penalty = torch.where(logits > 0, 1.0 / rep[:, None], rep[:, None])
+            logits = torch.where(seen, logits * penalty, logits)
+        logits = logits - freq[:, None] * output_counts - pres[:, None] * (output_counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) logits outside each row's top k, then outside its nucleus of mass top_p.
+    The most likely token always survives."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        # ascending order: the k-th largest sits at index V - k
+        kth = sorted_logits.gather(1, (vocab_size - top_k.clamp(1, vocab_size))[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability."""
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def compute_top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TopLogprobs:
+    """logprobs (V,) of one position -> the chosen token's logprob and rank, and the top k."""
+    chosen = logprobs[token_id]
+    rank = int((logprobs > chosen).sum().item()) + 1
+    if k > 0:
+        top = logprobs.topk(k)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids, top_values = [], []
+    return TopLogprobs(float(chosen.item()), rank, top_ids, top_values)

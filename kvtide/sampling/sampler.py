@@ -1,0 +1,74 @@
+"""The sampler: logits (R, V) -> one token per row, in documented, ordered steps.
+
+  1. logprobs, if asked, from the raw model logits (before any processing, as vLLM reports them);
+  2. logit processors: logit_bias, min_tokens (stop ids masked), repetition / presence / frequency
+     penalties;
+  3. greedy rows take the argmax;
+  4. random rows: temperature, then top_k, top_p, min_p (transformers' warper order), then a draw
+     by the exponential race argmax(p / q), q ~ Exp(1): no device sync, and a seeded row draws its
+     q from its own generator, so its token does not depend on the other rows.
+Rows with non-finite logits are reported, and only those requests fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtide.sampling.metadata import SamplingMetadata
+from kvtide.sampling.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, compute_top_logprobs)
+from kvtide.scheduler.output import TopLogprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TopLogprobs | None]
+    bad_rows: list[int]
+    """Rows whose logits were not finite."""
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1)
+        bad_rows = (~finite).nonzero().flatten().tolist()
+        if bad_rows:
+            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.needs_processing:
+            logits = apply_penalties(logits, md)
+
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, md)
+            if not md.all_random:
+                sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
+
+        token_ids = sampled.tolist()
+        logprobs: list[TopLogprobs | None] = [None] * len(token_ids)
+        if raw_logprobs is not None:
+            for i, row in enumerate(md.rows):
+                if row.params.logprobs is not None:
+                    logprobs[i] = compute_top_logprobs(raw_logprobs[i], token_ids[i], row.params.logprobs)
+        return SamplerOutput(token_ids, logprobs, bad_rows)
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperature[:, None]
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1)
+        if md.min_p is not None:
+            probs = apply_min_p(probs, md.min_p)
+        q = torch.empty_like(probs)
+        if len(md.generators) < probs.shape[0]:
+            q.exponential_(generator=self.generator)
+        for row, generator in md.generators.items():
+            q[row].exponential_(generator=generator)
+        return probs.div(q).argmax(dim=-1)

@@ -1,0 +1,69 @@
+"""SchedulerOutput (policy -> execution) and ModelRunnerOutput (execution -> policy).
+
+These two dataclasses are the only contract between the scheduler and the model runner. New
+requests go down in full; running ones as diffs (new block ids, how many tokens to compute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtide.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption): everything it needs."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt plus any output generated before a preemption."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix hit)."""
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """request id -> tokens computed this step."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that ended or were preempted since the last step: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TopLogprobs:
+    """Per sampled token: its logprob and rank, and the top-k ids and logprobs."""
+
+    token_logprob: float
+    token_rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    """request id -> the token sampled this step (only requests whose prompt is fully computed)."""
+    logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+    """request id -> logprobs of prompt positions 1.. computed this step."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """request id -> error; only those requests fail (e.g. non-finite logits)."""

@@ -1,0 +1,1 @@
+"""Device work: the model runner and the executors that drive it."""

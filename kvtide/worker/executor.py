@@ -1,0 +1,25 @@
+"""Executors run the model runner(s) for the engine core. Uniproc: the runner lives in the engine
+core's own process (world size 1)."""
+
+from __future__ import annotations
+
+from kvtide.config import EngineConfig
+from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.worker.model_runner import ModelRunner
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.runner = ModelRunner(config, model_dir)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass

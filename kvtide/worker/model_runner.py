@@ -1,0 +1,177 @@
+"""ModelRunner: SchedulerOutput -> flat tensors -> model -> sampler -> ModelRunnerOutput.
+
+It keeps a copy of each running request's tokens and block table (new requests arrive in full,
+running ones as diffs) and makes no policy decisions: it computes exactly what it is told.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvtide.attention.backend import AttentionMetadata, get_attention_backend
+from kvtide.config import EngineConfig
+from kvtide.models.loader import load_model
+from kvtide.sampling.metadata import RowState, SamplingMetadata
+from kvtide.sampling.ops import compute_top_logprobs
+from kvtide.sampling.sampler import Sampler
+from kvtide.sampling_params import SamplingParams
+from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    def row_state(self) -> RowState:
+        return RowState(self.sampling_params, self.token_ids[:self.num_prompt_tokens],
+                        self.token_ids[self.num_prompt_tokens:])
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    order: list[str]
+    """Request ids in batch order (decodes first)."""
+    sample_rows: list[int]
+    """Indices into `order` of requests that sample a token this step."""
+    logits_indices: torch.Tensor
+    """(len(sample_rows),) token index of each sampling request's last token."""
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        mc = config.model_config
+        self.device = torch.device(config.device_config.device)
+        self.block_size = config.cache_config.block_size
+        self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device))
+        self.vocab_size = mc.hf_config.vocab_size
+        self.attention_backend = get_attention_backend(config.device_config.attention_backend)
+        self.sampler = Sampler(mc.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate each layer's (2, num_blocks, block_size, num_kv_heads, head_dim) cache (zeroed:
+        masked slots must hold finite values) and bind it to the layer."""
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+                                dtype=self.config.model_config.dtype, device=self.device)
+            attn.kv_cache = cache
+            attn.backend = self.attention_backend
+            self.kv_caches.append(cache)
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = self._prepare_inputs(so)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        output = ModelRunnerOutput(sampled_token_ids={})
+        self._prompt_logprobs(so, inputs, hidden, output)
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
+            md = SamplingMetadata.build([s.row_state() for s in states], self.vocab_size, self.device)
+            sampled = self.sampler(logits, md)
+            bad = set(sampled.bad_rows)
+            for row, state in enumerate(states):
+                if row in bad:
+                    output.failed[state.request_id] = "model produced non-finite logits"
+                    continue
+                token = sampled.token_ids[row]
+                state.token_ids.append(token)
+                output.sampled_token_ids[state.request_id] = token
+                if sampled.logprobs[row] is not None:
+                    output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
+        return output
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        num_sched = so.num_scheduled_tokens
+        # Decodes (one token) first, so the backend can batch them.
+        order = sorted(num_sched, key=lambda r: num_sched[r] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for i, req_id in enumerate(order):
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, num_sched[req_id]
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            if start + n >= len(state.token_ids):
+                sample_rows.append(i)
+        num_decodes = sum(1 for r in order if num_sched[r] == 1)
+        max_blocks = max(len(self.requests[r].block_ids) for r in order)
+        block_tables = torch.tensor([self.requests[r].block_ids + [0] * (max_blocks - len(self.requests[r].block_ids))
+                                     for r in order], dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        lens = torch.tensor([num_sched[r] for r in order], dtype=torch.int64)
+        token_req = torch.repeat_interleave(torch.arange(len(order)), lens)
+        block_of_token = block_tables[token_req, positions_t // self.block_size].to(torch.int64)
+        slot_mapping = block_of_token * self.block_size + positions_t % self.block_size
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_reqs=len(order), num_decodes=num_decodes, num_actual_tokens=len(input_ids),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev), slot_mapping=slot_mapping.to(dev),
+            max_query_len=int(lens.max()), max_seq_len=max(seq_lens), block_size=self.block_size,
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64,
+                                      device=dev)
+        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev), positions_t.to(dev),
+                          metadata, order, sample_rows, logits_indices)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens 1..P-1 whose predicting positions are computed this step."""
+        for i, req_id in enumerate(inputs.order):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + so.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
+            if k is None or start >= end:
+                continue
+            offset = inputs.metadata.query_start_loc_cpu[i]
+            logprobs = self.model.compute_logits(hidden[offset:offset + end - start]).log_softmax(dim=-1)
+            entries: list[TopLogprobs] = []
+            for j, pos in enumerate(range(start, end)):
+                entries.append(compute_top_logprobs(logprobs[j], state.token_ids[pos + 1], k))
+            output.prompt_logprobs[req_id] = entries
