@@ -1,0 +1,101 @@
+"""`kvtide` command line: generate (offline), serve (OpenAI-compatible server), bench.
+
+Each subcommand module exposes `register(subparsers)`; engine flags come from EngineArgs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from kvtide.engine_args import EngineArgs
+
+_SUBCOMMAND_MODULES = ("kvtide.server.cli", "kvtide.bench.cli")
+
+
+def register_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate completions offline",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} object (or a string) per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def _read_prompts(args) -> list:
+    prompts: list = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.prompts_file}:{line_no}: not JSON ({e})") from e
+                prompts.append(item if isinstance(item, (str, list)) else
+                               item.get("prompt", item) if isinstance(item, dict) else item)
+    if not prompts:
+        raise ValueError("give --prompt TEXT or --prompts-file FILE.jsonl")
+    return prompts
+
+
+def run_generate(args) -> int:
+    from kvtide import LLM, SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                            ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for output in outputs:
+        if args.json:
+            print(json.dumps({"prompt": output.prompt, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                for c in output.outputs]}, ensure_ascii=False))
+        else:
+            for completion in output.outputs:
+                print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtide", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register_generate(subparsers)
+    for name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"kvtide {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
