@@ -46,9 +46,9 @@ class TorchAttentionBackend(AttentionBackend):
         block_ids, mask = self._decode_layout(md, window)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         ctx = block_ids.shape[1] * block_size
-        # (num_decodes, ctx, H_kv, D) -> (num_decodes, H_kv, ctx, D)
-        key = kv_cache[0].index_select(0, block_ids.flatten()).view(num_decodes, ctx, num_kv_heads, head_dim)
-        value = kv_cache[1].index_select(0, block_ids.flatten()).view(num_decodes, ctx, num_kv_heads, head_dim)
+        # One gather for K and V: (2, num_decodes, ctx, H_kv, D)
+        kv = kv_cache.index_select(1, block_ids.flatten()).view(2, num_decodes, ctx, num_kv_heads, head_dim)
+        key, value = kv[0], kv[1]
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # (num_decodes, H, 1, D)
             key.transpose(1, 2), value.transpose(1, 2),

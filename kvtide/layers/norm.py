@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvtide.layers.linear import default_weight_loader
@@ -16,16 +17,17 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 and cast back, as transformers does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # Normalized in float32 and cast back before the weight, as transformers does.
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With: (norm(x + residual), x + residual); the sum is
+        written into `residual`, which the caller hands over."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual

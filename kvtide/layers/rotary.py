@@ -57,15 +57,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin (T, 1, D/2): looked up once per step, shared by all layers.
+        (The tables repeat after D/2, so half of each is all rotation needs.)"""
+        half = self.head_dim // 2
+        return (self.cos_cache[positions, :half].unsqueeze(1),
+                self.sin_cache[positions, :half].unsqueeze(1))
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,), q (T, H, D), k (T, H_kv, D) -> rotated q, k."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        """q (T, H, D), k (T, H_kv, D) -> rotated q, k."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]: bit-identical to transformers'
+    x * cos + rotate_half(x) * sin, with half the multiplications."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

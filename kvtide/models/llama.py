@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
                               scale=self.head_dim ** -0.5,
                               sliding_window=sliding_window_for_layer(config, layer_idx))
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
@@ -76,14 +76,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+                residual: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, metadata)
+        hidden_states = self.self_attn(cos_sin, hidden_states, metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -117,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
+        self.rotary_emb = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = self.qkv_bias or attention_bias
@@ -136,9 +137,10 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden_size)."""
         hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

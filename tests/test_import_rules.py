@@ -1,0 +1,46 @@
+"""House rules that code review alone would let slip."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "kvtide"
+DEVICE_PACKAGES = ("kvtide.worker", "kvtide.models", "kvtide.layers", "kvtide.attention")
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_policy_packages_import_no_device_code():
+    offenders = []
+    for package in ("engine", "scheduler", "kv_cache"):
+        for path in (PKG / package).rglob("*.py"):
+            offenders += [f"{path.relative_to(PKG)}: {name}" for name in _imports(path)
+                          if name.startswith(DEVICE_PACKAGES)]
+    assert offenders == []
+
+
+def test_server_imports_only_engine_and_public_types():
+    allowed = ("kvtide.engine", "kvtide.server", "kvtide.sampling_params", "kvtide.outputs",
+               "kvtide.engine_args", "kvtide.config", "kvtide.bootstrap")
+    offenders = []
+    server = PKG / "server"
+    for path in server.rglob("*.py") if server.exists() else []:
+        offenders += [f"{path.relative_to(PKG)}: {name}" for name in _imports(path)
+                      if name.startswith("kvtide") and not name.startswith(allowed) and name != "kvtide"]
+    assert offenders == []
+
+
+def test_no_pickle_on_any_channel():
+    forbidden = ("pickle.loads", "pickle.load(", "recv_pyobj", "send_pyobj", "cloudpickle")
+    hits = [f"{p.relative_to(PKG)}: {word}" for p in PKG.rglob("*.py") for word in forbidden
+            if word in p.read_text()]
+    assert hits == []
