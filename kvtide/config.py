@@ -44,6 +44,8 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
     """'auto' means float32 on CPU (bf16 matmuls are slow without AMX) and the checkpoint's dtype on GPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
     if dtype == "auto":
         if device == "cpu":
             return torch.float32

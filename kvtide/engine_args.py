@@ -117,8 +117,9 @@ class EngineArgs:
             backend = "triton" if device == "cuda" else "torch"
         if backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {backend!r}")
-        dtype = resolve_dtype(self.dtype, getattr(hf_config, "torch_dtype", None) or
-                              getattr(hf_config, "dtype", None), device)
+        config_dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") \
+            else getattr(hf_config, "torch_dtype", None)
+        dtype = resolve_dtype(self.dtype, config_dtype, device)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or limit
         if max_model_len < 2:

@@ -66,6 +66,7 @@ def make_random_checkpoint(path: str, architecture: str = "LlamaForCausalLM", se
     float32 outputs compare exactly across implementations."""
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     config_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
