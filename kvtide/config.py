@@ -117,6 +117,8 @@ class DeviceConfig:
     """'cpu' or 'cuda'."""
     attention_backend: str = "torch"
     """'torch' (reference, any device) or 'triton' (GPU kernels)."""
+    enforce_eager: bool = False
+    """Never capture or replay CUDA graphs (decode steps run eagerly)."""
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ class EngineArgs:
     """auto, cpu or cuda."""
     attention_backend: str = "auto"
     """auto, torch or triton (auto: triton on CUDA, torch elsewhere)."""
+    enforce_eager: bool = False
+    """Run decode steps eagerly instead of replaying CUDA graphs (CUDA with the triton backend)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -112,9 +114,17 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but torch sees no CUDA GPU; use --device cpu")
         backend = self.attention_backend
         if backend == "auto":
-            backend = "triton" if device == "cuda" else "torch"
+            import importlib.util
+
+            # Triton on CUDA; torch where Triton is not installed (it is optional).
+            backend = "triton" if device == "cuda" and importlib.util.find_spec("triton") else "torch"
         if backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {backend!r}")
         config_dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") \
@@ -156,7 +166,8 @@ class EngineArgs:
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              policy=self.scheduling_policy,
                                              max_waiting_requests=self.max_waiting_requests),
-            device_config=DeviceConfig(device=device, attention_backend=backend),
+            device_config=DeviceConfig(device=device, attention_backend=backend,
+                                       enforce_eager=self.enforce_eager),
         )
 
     def replace(self, **kwargs) -> EngineArgs:

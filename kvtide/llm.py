@@ -11,8 +11,8 @@ from kvtide.bootstrap import build_engine_core, load_tokenizer
 from kvtide.engine.input_processor import PromptType
 from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
-from kvtide.outputs import RequestOutput
-from kvtide.sampling_params import SamplingParams
+from kvtide.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvtide.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -43,13 +43,19 @@ class LLM:
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         # Validate everything before queueing anything.
         for prompt, params in zip(prompt_list, params_list):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
             processed = self.engine.input_processor.process_prompt(prompt)
             self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
-        ids = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
-            ids.append(request_id)
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                ids.append(request_id)
+        except BaseException:
+            self.engine.abort_request(ids)  # a late refusal (e.g. a full queue) takes the batch back
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -83,6 +89,22 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.core.reset_prefix_cache()
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's entry point: per prompt, the beam_width best beams, best first. The same as
+        `generate(prompts, SamplingParams(use_beam_search=True, ...))`."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for output in outputs:
+            sequences = []
+            for c in output.outputs:
+                tokens = output.prompt_token_ids + c.token_ids
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else None
+                sequences.append(BeamSearchSequence(tokens, c.logprobs or [], c.cumulative_logprob or 0.0,
+                                                    text, c.finish_reason, c.stop_reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -45,3 +45,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search` (vLLM's shape)."""
+
+    tokens: list[int]
+    """Prompt and generated token ids."""
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None
+    """The decoded prompt and generation."""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]
+    """Best first."""

@@ -26,6 +26,17 @@ class SamplingParams:
     """Number of completions returned for the prompt."""
     best_of: int | None = None
     """Completions generated before the n best (by cumulative logprob) are returned."""
+    use_beam_search: bool = False
+    """Beam search instead of sampling: keep the beam_width best partial sequences each step and
+    return the n best finished ones, as HF `generate(num_beams=..., do_sample=False)` does.
+    temperature, top_p, top_k, min_p and seed do not apply."""
+    beam_width: int | None = None
+    """Beams kept per step with use_beam_search (default: n); must be >= n."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores cumulative_logprob / generated_len ** length_penalty."""
+    early_stopping: bool | str = False
+    """Beam search: True stops once beam_width beams finished; False stops when no running beam can
+    beat the worst finished one (HF's heuristic); "never" runs canonical beam search."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,13 +70,17 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -73,9 +88,9 @@ class SamplingParams:
         def bad(name: str, rule: str, value: object) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise bad("best_of", f"an integer >= n ({self.n})", self.best_of)
         for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
@@ -87,25 +102,25 @@ class SamplingParams:
             raise bad("temperature", "a finite number >= 0", self.temperature)
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "an integer", self.seed)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]", value)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of integers >= 0", self.stop_token_ids)
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
@@ -114,6 +129,27 @@ class SamplingParams:
                               {token_id: bias})
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "a non-empty string", self.cache_salt)
+        self._verify_beam_search(bad)
+
+    def _verify_beam_search(self, bad) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise bad("use_beam_search", "a bool", self.use_beam_search)
+        if self.beam_width is not None and (not _is_int(self.beam_width) or self.beam_width < self.n):
+            raise bad("beam_width", f"an integer >= n ({self.n})", self.beam_width)
+        if not _finite(self.length_penalty):
+            raise bad("length_penalty", "a finite number", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise bad("early_stopping", "True, False or 'never'", self.early_stopping)
+        if not self.use_beam_search:
+            return
+        unsupported = {"best_of": self.best_of is not None, "stop": bool(self.stop),
+                       "min_tokens": self.min_tokens > 0, "logit_bias": bool(self.logit_bias),
+                       "presence_penalty": self.presence_penalty != 0.0,
+                       "frequency_penalty": self.frequency_penalty != 0.0,
+                       "repetition_penalty": self.repetition_penalty != 1.0}
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise ValueError(f"{name} is not supported with use_beam_search=True")
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -122,18 +158,67 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def num_beams(self) -> int:
+        """Beams kept per step (use_beam_search only)."""
+        return self.beam_width if self.beam_width is not None else self.n
+
+    @property
     def num_samples(self) -> int:
         """Sequences generated for this prompt (best_of if set, else n)."""
         return self.best_of or self.n
 
     def clone(self, **overrides: object) -> SamplingParams:
         fields = {k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"}
-        fields.update(overrides)
         fields["stop"] = list(self.stop or [])
         fields["stop_token_ids"] = list(self.stop_token_ids or [])
+        fields["logit_bias"] = dict(self.logit_bias) if self.logit_bias is not None else None
+        fields.update(overrides)
         params = SamplingParams(**fields)  # type: ignore[arg-type]
         params.all_stop_token_ids = set(self.all_stop_token_ids) | set(params.stop_token_ids or [])
         return params
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters, mapped onto SamplingParams(use_beam_search=True)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    """Only 0.0: beam search here is deterministic, as HF's is."""
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0.0 for beam search, got {self.temperature!r}")
+        return SamplingParams(n=self.beam_width, use_beam_search=True, beam_width=self.beam_width,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _normalize_logit_bias(logit_bias: object) -> dict[int, float]:
+    """Keys may be ints or, as JSON carries them, decimal strings ("50256")."""
+    def bad() -> ValueError:
+        return ValueError(f"logit_bias must be a map of token ids >= 0 to biases in [-100, 100], "
+                          f"got {logit_bias!r}")
+
+    if not isinstance(logit_bias, dict):
+        raise bad()
+    normalized = {}
+    for key, value in logit_bias.items():
+        if not (_is_int(key) or (isinstance(key, str) and key.strip().lstrip("-").isdigit())):
+            raise bad()
+        if not _finite(value):
+            raise bad()
+        normalized[int(key)] = float(value)  # type: ignore[arg-type]
+    return normalized
 
 
 def _finite(value: object) -> bool:

@@ -2,6 +2,9 @@
 
     step():  scheduler.schedule() -> executor.execute() -> scheduler.update_from_output()
 
+Beam search plugs in around the step (engine/beam_search.py): it takes its beams' rows out of the
+runner output before the scheduler sees them, then forks and drops beams.
+
 The same class runs in-process (offline LLM) or inside the engine-core process (server).
 """
 
@@ -11,6 +14,7 @@ import logging
 from typing import Protocol
 
 from kvtide.config import EngineConfig
+from kvtide.engine.beam_search import BeamSearch
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -30,16 +34,19 @@ class EngineCore:
         self.executor = executor
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.model_config.max_model_len)
+        self.beam_search = BeamSearch(self.scheduler)
         self.num_steps = 0
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
-        self.scheduler.add_request(Request(core_request))
+        if not self.beam_search.add_request(core_request):
+            self.scheduler.add_request(Request(core_request))
 
     def check_request(self, core_request: EngineCoreRequest) -> None:
         self.scheduler.check_request(Request(core_request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        request_ids = self.beam_search.abort(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -55,7 +62,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.beam_search.take_results(runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs + self.beam_search.advance()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

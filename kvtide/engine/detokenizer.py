@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self._backend = getattr(tokenizer, "_tokenizer", None)
         # The prompt's tail gives the stream its context (leading-space rules of SentencePiece).
-        context = prompt_token_ids[-4:] if self._backend is not None else []
+        context = self._stream_context(prompt_token_ids[-4:]) if self._backend is not None else []
         self._stream = DecodeStream(context, skip_special_tokens=self.skip_special_tokens) \
             if self._backend is not None else None
         self.token_ids: list[int] = []
@@ -49,16 +49,27 @@ class IncrementalDetokenizer:
                 return self._check_stop(min(old_len, len(full)))
         return False
 
+    def _stream_context(self, tail: list[int]) -> list[int]:
+        """The prompt's tail cut back to a complete character: DecodeStream emits a context whose
+        text ends in an incomplete one (U+FFFD) as if it were output."""
+        backend = self._backend
+        assert backend is not None
+        while tail and backend.decode(tail, skip_special_tokens=self.skip_special_tokens).endswith("\ufffd"):
+            tail = tail[:-1]
+        return tail
+
     def _step(self, token_id: int) -> str | None:
-        if self._stream is None:
+        if self._stream is not None:
+            try:
+                return self._stream.step(self._backend, token_id)
+            except Exception:
+                self._stream = None  # undecodable for the stream: full decodes from now on
+        # Without a stream (slow tokenizer, or after the above): what a full decode adds, held back
+        # while it ends in an incomplete character.
+        full = self._full_decode()
+        if full.endswith("\ufffd") or not full.startswith(self.text):
             return None
-        try:
-            return self._stream.step(self._backend, token_id)
-        except Exception:
-            # Out-of-vocabulary or undecodable ids: fall back to a full decode each time.
-            self._stream = None
-            full = self._full_decode()
-            return full[len(self.text):] if full.startswith(self.text) else None
+        return full[len(self.text):]
 
     def _full_decode(self) -> str:
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)

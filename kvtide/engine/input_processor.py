@@ -2,7 +2,9 @@
 
 Everything a user can get wrong is checked here, raising ValueError that names the parameter,
 before any engine state changes. A request with n > 1 becomes n engine-core requests
-("{index}_{request_id}", seed + index when seeded), as in vLLM.
+("{index}_{request_id}", seed + index when seeded), as in vLLM; all but the first are forked from
+the first (`fork_of`) once it has computed the prompt, so the prompt is computed once. With beam
+search the first is the root beam and the others are output slots for the n best beams.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class InputProcessor:
         elif isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes, bytearray)):
+                    raise ValueError("prompt_token_ids must be a list of integers, got "
+                                     f"{type(token_ids).__name__}")
             elif "prompt" in prompt:
                 text, token_ids = prompt["prompt"], None
             else:
@@ -80,6 +85,13 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
         if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
+        if params.use_beam_search:
+            num_stop = len(set(params.stop_token_ids or []) |
+                           (set() if params.ignore_eos else set(self.eos_token_ids)))
+            if max(2, 1 + num_stop) * params.num_beams > self.vocab_size:
+                raise ValueError(f"beam_width: {params.num_beams} beams need "
+                                 f"{max(2, 1 + num_stop) * params.num_beams} candidates per step, more "
+                                 f"than the vocabulary ({self.vocab_size})")
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:
@@ -90,11 +102,12 @@ class InputProcessor:
         arrival = arrival_time if arrival_time is not None else time.time()
         num = params.num_samples
         requests = []
-        for index in range(num):
-            child_params = params if num == 1 else params.clone(
+        ids = [request_id] if num == 1 else [f"{index}_{request_id}" for index in range(num)]
+        for index, child_id in enumerate(ids):
+            child_params = params if num == 1 or params.use_beam_search else params.clone(
                 n=1, best_of=None, seed=None if params.seed is None else params.seed + index,
                 logprobs=params.logprobs if params.best_of is None or params.logprobs is not None else 0)
-            child_id = request_id if num == 1 else f"{index}_{request_id}"
             requests.append(EngineCoreRequest(child_id, prompt.prompt_token_ids, child_params,
-                                              list(self.eos_token_ids), arrival, priority))
+                                              list(self.eos_token_ids), arrival, priority,
+                                              fork_of=ids[0] if index else None))
         return requests

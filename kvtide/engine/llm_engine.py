@@ -42,8 +42,12 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, [r.request_id for r in core_requests], output_kind,
                                           core_requests[0].arrival_time)
-        for core_request in core_requests:
-            self.core.add_request(core_request)
+        try:
+            for core_request in core_requests:
+                self.core.add_request(core_request)
+        except BaseException:
+            self.abort_request([request_id])  # take back the samples already queued
+            raise
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         child_ids = self.output_processor.abort_requests(list(request_ids))

@@ -70,7 +70,8 @@ class OutputProcessor:
                     params: SamplingParams, child_ids: list[str], output_kind: RequestOutputKind,
                     arrival_time: float | None = None) -> None:
         sequences = {}
-        track_cumulative = params.logprobs is not None or (params.best_of or 0) > params.n
+        track_cumulative = params.logprobs is not None or (params.best_of or 0) > params.n or \
+            params.use_beam_search
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) \
                 if params.detokenize and self.tokenizer is not None else None

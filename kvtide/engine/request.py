@@ -39,6 +39,10 @@ class EngineCoreRequest:
     """The model's end-of-sequence ids (ignored with ignore_eos)."""
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    fork_of: str | None = None
+    """Engine-core id of a sibling (same user request, same prompt) this one is forked from instead
+    of computing the prompt itself: n > 1 and best_of samples share the first sample's prompt
+    blocks; the other output slots of a beam search name its root beam."""
 
 
 class Request:
@@ -68,6 +72,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        self.fork_of = core_request.fork_of
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

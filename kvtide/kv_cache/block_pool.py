@@ -6,6 +6,10 @@ through `touch` / `get_new_blocks` / `free_blocks` here.
     free queue (LRU first) ──▶ [b7 (hash) ][ b2 ][ b9 (hash) ] ... ◀── freed blocks enter here
     A freed block keeps its hash and content; it is evicted (hash dropped) only when popped for reuse.
     A block with ref_cnt > 0 is never in the free queue, so it can never be evicted.
+
+A published block also records the block it was computed after (`parent`: block id and
+`generation`, which counts reallocations), so a lookup can check that a hit continues the very
+chain it matched so far: a forged or colliding hash can then cost a hit, never wrong KV.
 """
 
 from __future__ import annotations
@@ -17,12 +21,20 @@ from kvtide.kv_cache.prefix_cache import BlockHash
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "generation", "parent")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.generation = 0
+        """Times the block was handed out: its content changes only then."""
+        self.parent: tuple[int, int] | None = None
+        """(block_id, generation) of the block this one's KV was computed after (None: first block)."""
+
+    def follows(self, prev: KVCacheBlock | None) -> bool:
+        """Whether this cached block was computed right after `prev` as it is now (None: first)."""
+        return self.parent == (None if prev is None else (prev.block_id, prev.generation))
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -72,6 +84,8 @@ class BlockPool:
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
+            block.generation += 1
+            block.parent = None
             out.append(block)
         return out
 
@@ -91,12 +105,19 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     # ---- prefix cache --------------------------------------------------------------------
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Publish a full block under its key. A key already published keeps its first block."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                    parent: KVCacheBlock | None = None) -> None:
+        """Publish a full block under its key; `parent` is the (published) block its KV was
+        computed after. A key already published keeps its first block, unless that block was
+        computed after another parent: then it is stale (its parent is gone) and is replaced."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self._cached:
-            return
+        block.parent = None if parent is None else (parent.block_id, parent.generation)
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            if existing.parent == block.parent:
+                return
+            existing.block_hash = None  # unreachable for lookups now; keeps its KV, stops being cached
         block.block_hash = block_hash
         self._cached[block_hash] = block
 

@@ -5,8 +5,10 @@ It owns request -> blocks, so every ref-count change for a request happens here:
     get_computed_blocks(req)            longest cached prefix (no allocation, no ref change)
     allocate_slots(req, n, hits)        take the hits + enough new blocks for n more tokens, or None
     free(req)                           drop the request's references (tail blocks evicted first)
+    fork(parent, child)                 the child shares the parent's computed blocks (ref counts)
 
-Block tables are append-only while a request lives; preemption frees them whole.
+Block tables are append-only while a request lives, with one exception: copy-on-write replaces a
+shared block the request is about to write into (a forked partial block); preemption frees them whole.
 
     request blocks:  [ b3 | b8 | b1 | b4 ]      block_size = 4
     tokens:           0123 4567 89.. ....
@@ -45,6 +47,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Copy-on-write since the last take_block_copies(): (src, dst) block ids, and the requests
+        # whose table had a block replaced (the runner needs their whole table again).
+        self._block_copies: list[tuple[int, int]] = []
+        self._rewritten_req_ids: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -69,18 +75,18 @@ class KVCacheManager:
             return [], 0
         self._update_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        if request.num_preemptions == 0:
-            self.prefix_stats.requests += 1
-            self.prefix_stats.queries += request.num_tokens
-            self.prefix_stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        hits = self._longest_cached_chain(request.block_hashes[:max_hit_blocks])
+        return hits, len(hits) * self.block_size
+
+    def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's lookup once, when it is admitted: not each step it waits for blocks,
+        nor its resume after a preemption."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None \
+                or request.num_preemptions > 0:
+            return
+        self.prefix_stats.requests += 1
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += num_hit_tokens
 
     def num_cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Radix-style view: how many leading tokens of `token_ids` are cached now. Allocates nothing."""
@@ -88,12 +94,17 @@ class KVCacheManager:
             return 0
         hashes: list = []
         hash_request_blocks(self.hash_fn, token_ids, self.block_size, hashes, cache_salt)
-        num = 0
-        for block_hash in hashes:
-            if self.pool.get_cached_block(block_hash) is None:
+        return len(self._longest_cached_chain(hashes)) * self.block_size
+
+    def _longest_cached_chain(self, block_hashes: list) -> list[KVCacheBlock]:
+        """Cached blocks matching the keys in order, each computed right after the previous one."""
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None or not block.follows(hits[-1] if hits else None):
                 break
-            num += self.block_size
-        return num
+            hits.append(block)
+        return hits
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -101,18 +112,25 @@ class KVCacheManager:
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus prefix hits).
 
-        Returns the newly allocated blocks, or None, changing nothing, when the pool is short."""
+        A block the new tokens land in that other requests still share (after a fork) is copied
+        first. Returns the newly allocated blocks, or None, changing nothing, when the pool is short."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
+        shared = [i for i in range(num_computed // self.block_size, len(req_blocks))
+                  if req_blocks[i].ref_cnt > 1]
         # Hits sitting in the free queue stop being allocatable once we take them.
         num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_hits_in_free_queue:
+        if num_new_blocks + len(shared) > self.pool.num_free_blocks - num_hits_in_free_queue:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        if not req_blocks:
+            self._record_prefix_lookup(request, num_new_computed_tokens)
+        if shared:
+            self._copy_on_write(request.request_id, req_blocks, shared)
         self.pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
@@ -132,8 +150,65 @@ class KVCacheManager:
         self._update_hashes(request)
         blocks = self.req_to_blocks[req_id]
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            parent = self._published_equivalent(blocks[i - 1], request.block_hashes[i - 1]) if i else None
+            self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
         self._num_cached_blocks[req_id] = num_full
+
+    def _published_equivalent(self, block: KVCacheBlock, block_hash) -> KVCacheBlock:
+        """`block` if it is published, else the published block under the same key computed after
+        the same parent (so it holds the same KV), if any. A request that computed a block someone
+        else published first thus still extends the published chain."""
+        if block.block_hash is not None:
+            return block
+        published = self.pool.get_cached_block(block_hash)
+        if published is not None and published.parent == block.parent:
+            return published
+        return block
+
+    # ---- fork and copy-on-write --------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let `child` share `parent`'s computed blocks by reference count (n > 1, beam search).
+
+        The child's tokens must equal the parent's over the shared range. It starts with
+        num_computed_tokens = min(parent's, its own num_tokens - 1): at least one token is left to
+        compute, so logits exist. A shared block it (or the parent) later writes into is copied
+        first, by allocate_slots; the last holder writes in place.
+
+            parent: [ b3 | b8 | b1 ]     b1 partial (tokens 32..37 computed); refs 2, 2, 2 after fork
+            child:  [ b3 | b8 | b1 ]
+            the child writes token 38 -> b1 is shared -> copy b1 to b6:  child [ b3 | b8 | b6 ]
+        """
+        assert child.request_id not in self.req_to_blocks, f"{child.request_id} already holds blocks"
+        num_computed = min(parent.num_computed_tokens, child.num_tokens - 1)
+        assert child.all_token_ids[:num_computed] == parent.all_token_ids[:num_computed]
+        num_shared = cdiv(num_computed, self.block_size)
+        parent_blocks = self.req_to_blocks.get(parent.request_id, [])
+        assert len(parent_blocks) >= num_shared, (len(parent_blocks), num_shared)
+        shared = parent_blocks[:num_shared]
+        self.pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        child.num_computed_tokens = num_computed
+        num_full = num_computed // self.block_size
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        self._num_cached_blocks[child.request_id] = min(
+            self._num_cached_blocks.get(parent.request_id, 0), num_full)
+
+    def _copy_on_write(self, request_id: str, req_blocks: list[KVCacheBlock], indices: list[int]) -> None:
+        for i in indices:
+            src = req_blocks[i]
+            dst = self.pool.get_new_blocks(1)[0]
+            self.pool.free_blocks([src])  # its other holders keep it
+            dst.parent = src.parent  # same KV, same lineage
+            req_blocks[i] = dst
+            self._block_copies.append((src.block_id, dst.block_id))
+        self._rewritten_req_ids.add(request_id)
+
+    def take_block_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
+        """(src, dst) block copies the runner must make before the next forward, and the requests
+        whose block table changed other than by appending; both cleared."""
+        copies, rewritten = self._block_copies, self._rewritten_req_ids
+        self._block_copies, self._rewritten_req_ids = [], set()
+        return copies, rewritten
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes first into the LRU queue, since a shared

@@ -27,11 +27,13 @@ _ROOT = b"kvtide-root"
 
 
 class BlockHash(NamedTuple):
-    """Key of a full block. The token ids are part of the key, so a hash collision between blocks
-    with different tokens can never match."""
+    """Key of a full block. The token ids (and a first block's extra keys) are part of the key, so
+    a hash collision between blocks with different tokens or salts can never match; the pool's
+    parent check covers the rest of the prefix."""
 
     hash_value: bytes
     token_ids: tuple[int, ...]
+    extra_keys: bytes = b""
 
 
 def get_hash_fn(name: str) -> HashFn:
@@ -44,7 +46,7 @@ def hash_block_tokens(hash_fn: HashFn, parent: BlockHash | None, token_ids: Sequ
                       extra_keys: bytes = b"") -> BlockHash:
     parent_bytes = parent.hash_value if parent is not None else _ROOT
     payload = parent_bytes + array("q", token_ids).tobytes() + extra_keys
-    return BlockHash(hash_fn(payload), tuple(token_ids))
+    return BlockHash(hash_fn(payload), tuple(token_ids), extra_keys)
 
 
 def extra_keys_for(cache_salt: str | None) -> bytes:

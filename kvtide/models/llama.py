@@ -149,9 +149,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors by HF name; returns the parameter names that were filled."""
+        """Load checkpoint tensors by HF name; returns the parameter names that were filled (a fused
+        parameter only once every shard of it was, e.g. q, k and v)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        loaded_shards: dict[str, set[object]] = {}
         tied = getattr(self.config, "tie_word_embeddings", False)
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -168,8 +169,13 @@ class LlamaForCausalLM(nn.Module):
             param = params[target]
             tensor = tensor.to(param.dtype)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
+            loaded_shards.setdefault(target, set()).add(shard_id)
+        shards_of: dict[str, set[object]] = {}
+        for fused, shard in self.packed_modules_mapping.values():
+            shards_of.setdefault(fused, set()).add(shard)
+        # "layers.0.self_attn.qkv_proj.weight" -> module "qkv_proj"
+        return {name for name, shards in loaded_shards.items()
+                if shards >= shards_of.get(name.split(".")[-2], {None})}
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -83,7 +83,7 @@ def compute_top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TopLo
     chosen = logprobs[token_id]
     rank = int((logprobs > chosen).sum().item()) + 1
     if k > 0:
-        top = logprobs.topk(k)
+        top = logprobs.topk(min(k, logprobs.shape[-1]))  # a vocabulary may be smaller than k
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
     else:
         top_ids, top_values = [], []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtide.sampling.metadata import SamplingMetadata
-from kvtide.sampling.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, compute_top_logprobs)
+from kvtide.sampling.ops import apply_min_p, apply_penalties, apply_top_k_top_p, compute_top_logprobs
 from kvtide.scheduler.output import TopLogprobs
 
 
@@ -31,8 +31,9 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        """Unseeded rows draw from one generator per device (a CPU one cannot fill a CUDA tensor)."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -68,7 +69,15 @@ class Sampler:
             probs = apply_min_p(probs, md.min_p)
         q = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
-            q.exponential_(generator=self.generator)
+            q.exponential_(generator=self._generator(q.device))
         for row, generator in md.generators.items():
             q[row].exponential_(generator=generator)
         return probs.div(q).argmax(dim=-1)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator

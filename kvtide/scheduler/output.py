@@ -42,6 +42,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that ended or were preempted since the last step: the runner drops their state."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) block ids: copy each src block to dst in every layer's KV cache before the
+    forward (copy-on-write of a block shared after a fork)."""
 
     @property
     def is_empty(self) -> bool:

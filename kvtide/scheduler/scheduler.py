@@ -1,12 +1,16 @@
 """Scheduler: iteration-level continuous batching with a token budget.
 
 Each step:
-  1. running requests first, in order: each gets min(tokens it lacks, budget) new tokens; when the
-     pool is short, the lowest-priority running request (the newest, under FCFS) is preempted by
-     recompute until the allocation fits;
+  1. running requests first, in admission order (priority order under 'priority'): each gets
+     min(tokens it lacks, budget) new tokens; when the pool is short, the lowest-priority running
+     request (the newest, under FCFS) is preempted by recompute until the allocation fits;
   2. then, if nothing was preempted, waiting requests in policy order: prefix hits are taken, and
      the rest of the prompt is scheduled in a chunk that fits the budget.
 Prefill chunks, decodes and recomputation after preemption all go through the same path.
+
+Forks: a request naming `fork_of` (the n > 1 / best_of siblings) is held until that sibling has
+computed the prompt, then shares its blocks (KVCacheManager.fork) and computes only the last prompt
+token; `fork_request` is also the hook beam search uses for its beams.
 """
 
 from __future__ import annotations
@@ -83,7 +87,14 @@ class Scheduler:
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        self._num_prompt_logprobs_sent: dict[str, int] = {}
+        """request id -> prompt positions whose logprobs went out (a preempted request computes its
+        prompt again; those must not go out twice)."""
         self.num_preemptions = 0
+        self._pending_forks: dict[str, list[Request]] = {}
+        """parent id -> requests waiting to be forked from it once its prompt is computed."""
+        self._send_full: set[str] = set()
+        """Running requests the runner has not seen (forked children): sent as NewRequestData."""
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -91,10 +102,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        needed = cdiv(longest, self.block_size)
+        # The last sampled token ends the request before its KV is written.
+        num_kv_tokens = max(longest - 1, request.num_prompt_tokens)
+        needed = cdiv(num_kv_tokens, self.block_size)
         if needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
-                f"request needs up to {needed} KV blocks ({longest} tokens) but the cache holds only "
+                f"request needs up to {needed} KV blocks ({num_kv_tokens} tokens) but the cache holds only "
                 f"{self.kv_cache_manager.num_blocks}; raise kv_cache_memory or lower max_tokens")
         if self.config.max_waiting_requests is not None and \
                 len(self.waiting) >= self.config.max_waiting_requests:
@@ -103,6 +116,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.check_request(request)
         self.requests[request.request_id] = request
+        parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
+        if parent is not None and parent.num_output_tokens == 0 and not parent.is_finished():
+            self._pending_forks.setdefault(parent.request_id, []).append(request)
+            return
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
@@ -116,6 +133,7 @@ class Scheduler:
         self.running = [r for r in self.running if r not in ended_set]
         for request in ended:
             request.status = status
+        for request in ended:
             self._free_request(request)
         return [r.request_id for r in ended]
 
@@ -123,6 +141,46 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         self.requests.pop(request.request_id, None)
+        self._send_full.discard(request.request_id)
+        self._num_prompt_logprobs_sent.pop(request.request_id, None)
+        self._release_pending_forks(request)
+
+    # ---- forks -----------------------------------------------------------------------------
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Admit `child` as running, sharing `parent`'s computed KV blocks by reference count."""
+        self.kv_cache_manager.fork(parent, child)
+        if child.num_cached_tokens < 0:
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self._send_full.add(child.request_id)
+
+    def _release_pending_forks(self, request: Request) -> None:
+        """A parent that ends before its prompt is computed lets its siblings compute their own;
+        a held sibling that ends leaves the hold."""
+        for child in self._pending_forks.pop(request.request_id, []):
+            if not child.is_finished():
+                self.waiting.add(child)
+        held = self._pending_forks.get(request.fork_of or "")
+        if held and request in held:
+            held.remove(request)
+
+    def _send_in_full(self, cached_reqs: list[CachedRequestData], new_reqs: list[NewRequestData],
+                      rewritten: set[str]) -> list[CachedRequestData]:
+        """Running requests the runner must see whole (forked children it has not seen; tables
+        copy-on-write rewrote) go as NewRequestData; returns the rest."""
+        full = rewritten | self._send_full
+        if not full:
+            return cached_reqs
+        kept = []
+        for data in cached_reqs:
+            if data.request_id in full:
+                new_reqs.append(self._new_request_data(self.requests[data.request_id]))
+                self._send_full.discard(data.request_id)
+            else:
+                kept.append(data)
+        return kept
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -136,6 +194,10 @@ class Scheduler:
         preempted = False
 
         scheduled_running: list[Request] = []
+        if self.config.policy == "priority":
+            # Highest priority first: a victim (the lowest priority) is then never one already
+            # scheduled this step, and the budget goes to the most urgent first.
+            self.running.sort(key=Request.sort_key)
         remaining = list(self.running)
         while remaining and budget > 0:
             request = remaining.pop(0)
@@ -166,12 +228,15 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
 
+        block_copies, rewritten = self.kv_cache_manager.take_block_copies()
+        cached_reqs = self._send_in_full(cached_reqs, new_reqs, rewritten)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
+            block_copies=block_copies,
         )
         self._finished_req_ids = set()
         return output
@@ -196,16 +261,20 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            new_reqs.append(NewRequestData(
-                request_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens,
-                num_output_tokens=request.num_output_tokens,
-            ))
+            self._send_full.discard(request.request_id)
+            new_reqs.append(self._new_request_data(request))
         return budget
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
 
     def _pick_victim(self, candidates: list[Request], current: Request) -> Request:
         """The request to preempt: lowest priority, newest arrival, among those not yet scheduled
@@ -236,7 +305,8 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             out = EngineCoreOutput(req_id, [], num_cached_tokens=max(request.num_cached_tokens, 0))
             if req_id in runner_output.prompt_logprobs:
-                out.new_prompt_logprobs = [_as_tuple(t) for t in runner_output.prompt_logprobs[req_id]]
+                out.new_prompt_logprobs = self._unsent_prompt_logprobs(
+                    request, num_tokens, runner_output.prompt_logprobs[req_id])
             if req_id in runner_output.failed:
                 request.status = RequestStatus.FINISHED_ABORTED
                 out.finish_reason, out.error = "abort", runner_output.failed[req_id]
@@ -246,6 +316,9 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(req_id)
             if token_id is not None:
                 request.append_output_token(token_id)
+                if req_id in self._pending_forks:  # the prompt is computed: siblings share it
+                    for child in self._pending_forks.pop(req_id):
+                        self.fork_request(request, child)
                 out.new_token_ids.append(token_id)
                 if req_id in runner_output.logprobs:
                     out.new_logprobs = [_as_tuple(runner_output.logprobs[req_id])]
@@ -261,6 +334,15 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    def _unsent_prompt_logprobs(self, request: Request, num_tokens: int, entries: list[TopLogprobs]
+                                ) -> list[tuple[float, int, list[int], list[float]]] | None:
+        """This step's prompt logprobs (one per position from where the step started) minus the
+        positions sent before a preemption."""
+        start = request.num_computed_tokens - num_tokens
+        sent = self._num_prompt_logprobs_sent.get(request.request_id, 0)
+        self._num_prompt_logprobs_sent[request.request_id] = max(sent, start + len(entries))
+        return [_as_tuple(t) for t in entries[max(sent - start, 0):]] or None
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -19,6 +19,7 @@ from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ class ModelRunner:
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # ---- accelerator hook (issue 6): fused Triton layers on CUDA; decode graphs after KV init
+        if self.device.type == "cuda" and config.device_config.attention_backend == "triton":
+            from kvtide.layers.triton_ops import use_triton_ops
+
+            use_triton_ops(self.model)
+        self.cuda_graphs: DecodeCudaGraphs | None = None
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -79,15 +86,20 @@ class ModelRunner:
             attn.kv_cache = cache
             attn.backend = self.attention_backend
             self.kv_caches.append(cache)
+        self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)  # issue 6
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.block_copies:  # copy-on-write of blocks shared after a fork, before anything writes
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies))
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(so)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(so, inputs, hidden, output)
         if inputs.sample_rows:
@@ -149,14 +161,14 @@ class ModelRunner:
         dev = self.device
         metadata = AttentionMetadata(
             num_reqs=len(order), num_decodes=num_decodes, num_actual_tokens=len(input_ids),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev), slot_mapping=slot_mapping.to(dev),
+            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32), dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
+            block_tables=to_device(block_tables, dev), slot_mapping=to_device(slot_mapping, dev),
             max_query_len=int(lens.max()), max_seq_len=max(seq_lens), block_size=self.block_size,
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
-        logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64,
-                                      device=dev)
-        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev), positions_t.to(dev),
+        logits_indices = to_device(torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows],
+                                                dtype=torch.int64), dev)
+        return StepInputs(to_device(torch.tensor(input_ids, dtype=torch.int64), dev), to_device(positions_t, dev),
                           metadata, order, sample_rows, logits_indices)
 
     def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,

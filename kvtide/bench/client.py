@@ -1,0 +1,176 @@
+"""One streamed OpenAI /v1/completions request, timed chunk by chunk; and /metrics scraping.
+
+A request succeeds only if the server answered 200, streamed at least one token and ended the stream
+with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
+dropped mid-stream, a stream that stops without [DONE]) is a failure with the reason kept in
+`RequestRecord.error` as 'kind: detail'.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvtide.bench.metrics import RequestRecord
+
+
+@dataclass
+class PayloadOptions:
+    """Extensions some servers refuse; probed during warm-up and dropped when refused."""
+
+    ignore_eos: bool = True
+    include_usage: bool = True
+    temperature: float = 0.0
+
+    def variants(self) -> list[PayloadOptions]:
+        """This, then with fewer extensions, for the warm-up probe."""
+        out = [self]
+        if self.include_usage:
+            out.append(PayloadOptions(self.ignore_eos, False, self.temperature))
+        if self.ignore_eos:
+            out.append(PayloadOptions(False, self.include_usage, self.temperature))
+            out.append(PayloadOptions(False, False, self.temperature))
+        return out
+
+
+def build_payload(model: str, prompt: str | list[int], max_tokens: int, options: PayloadOptions) -> dict:
+    payload: dict = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                     "temperature": options.temperature, "stream": True}
+    if options.ignore_eos:
+        payload["ignore_eos"] = True
+    if options.include_usage:
+        payload["stream_options"] = {"include_usage": True}
+    return payload
+
+
+async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
+    """POST `payload` (stream=True) to `url`, filling `record` in place. Never raises for server faults."""
+    record.start_time = time.perf_counter()
+    saw_done = False
+    text_parts: list[str] = []
+    usage_completion: int | None = None
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")[:300]
+                record.error = f"http {response.status_code}: {body}"
+                return
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                line = line.strip()
+                if not line or line.startswith(":"):
+                    continue
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    saw_done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = f"stream error: {str(chunk['error'])[:300]}"
+                    return
+                usage = chunk.get("usage")
+                if usage:
+                    usage_completion = usage.get("completion_tokens", usage_completion)
+                    if usage.get("prompt_tokens"):
+                        record.prompt_len = int(usage["prompt_tokens"])
+                for choice in chunk.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
+                    text = choice.get("text") or ""
+                    if text:
+                        record.chunk_times.append(now)
+                        text_parts.append(text)
+    except (httpx.HTTPError, OSError) as e:
+        record.error = f"dropped: {type(e).__name__}: {e}"[:300]
+        return
+    except (json.JSONDecodeError, AttributeError, TypeError) as e:
+        record.error = f"bad stream: {type(e).__name__}: {e}"[:300]
+        return
+    finally:
+        record.end_time = time.perf_counter()
+    record.generated_text = "".join(text_parts)
+    record.output_len = int(usage_completion) if usage_completion is not None else len(record.chunk_times)
+    if not saw_done:
+        record.error = "no [DONE]: the stream ended early"
+    elif not record.chunk_times:
+        record.error = "no tokens: the stream carried no text"
+    else:
+        record.success = True
+
+
+async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    data = response.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model NAME")
+    return data[0]["id"]
+
+
+# ---- /metrics -------------------------------------------------------------------------------------
+# Counter names differ by server; any family whose name ends in one of these is summed.
+_PREFIX_HITS = ("prefix_cache_hits",)
+_PREFIX_QUERIES = ("prefix_cache_queries",)
+_PREEMPTIONS = ("num_preemptions", "preemptions")
+_RUNNING = ("num_requests_running",)
+KNOWN_PREFIXES = ("kvtide:", "vllm:")
+
+
+async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """Sample name -> value (summed over labels) for the kvtide:/vllm: families, or None when the
+    server has no Prometheus /metrics."""
+    try:
+        response = await client.get(f"{base_url}/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return parse_prometheus(response.text)
+
+
+def parse_prometheus(text: str) -> dict[str, float] | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(KNOWN_PREFIXES):
+                    values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    except ValueError:
+        return None
+    return values or None
+
+
+def _pick(values: dict[str, float], endings: tuple[str, ...]) -> float | None:
+    found = [v for name, v in values.items()
+             if any(name.endswith(e) or name.endswith(e + "_total") for e in endings)]
+    return sum(found) if found else None
+
+
+def running_requests(values: dict[str, float] | None) -> float | None:
+    return _pick(values, _RUNNING) if values else None
+
+
+def server_counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """Prefix-cache hit rate and preemptions during the run, from counters scraped before and after."""
+    out: dict = {"prefix_cache_hit_rate": None, "num_preemptions": None, "server_metrics": after is not None}
+    if not before or not after:
+        return out
+    hits = [_pick(v, _PREFIX_HITS) for v in (before, after)]
+    queries = [_pick(v, _PREFIX_QUERIES) for v in (before, after)]
+    if None not in hits and None not in queries:
+        dq = queries[1] - queries[0]  # type: ignore[operator]
+        dh = hits[1] - hits[0]  # type: ignore[operator]
+        out["prefix_cache_queried_tokens"] = dq
+        out["prefix_cache_hit_tokens"] = dh
+        out["prefix_cache_hit_rate"] = dh / dq if dq > 0 else 0.0
+    preempt = [_pick(v, _PREEMPTIONS) for v in (before, after)]
+    if None not in preempt:
+        out["num_preemptions"] = int(preempt[1] - preempt[0])  # type: ignore[operator]
+    return out

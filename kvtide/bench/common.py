@@ -1,0 +1,140 @@
+"""What the offline benchmarks share: the bench checkpoint, token-id prompts, FLOP counts, matmul peak.
+
+The bench checkpoint is a random Llama of ~125M parameters (hidden 768, 12 layers, 12 heads, 4 KV
+heads, intermediate 2048, vocab 32000, untied), float32, built once with
+`kvtide.models.demo.make_random_checkpoint` and cached under ~/.cache/kvtide/bench-models/ (or
+$KVTIDE_CACHE/bench-models/). Its tokenizer is the byte tokenizer, so the benchmarks feed token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+
+BENCH_MODEL_VERSION = "v1"
+BENCH_MODEL_CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                          intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
+                          tie_word_embeddings=False)
+BENCH_MODEL_SEED = 0
+# Token ids 0-2 are <s>, </s>, <pad>; prompts draw from the rest of the vocabulary.
+FIRST_PROMPT_TOKEN = 3
+
+
+def cache_root() -> str:
+    return os.environ.get("KVTIDE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvtide"))
+
+
+def bench_model_path() -> str:
+    """The bench checkpoint's directory, built on first use (about 10 s and 0.5 GB)."""
+    from kvtide.models.demo import make_random_checkpoint
+
+    path = os.path.join(cache_root(), "bench-models", f"llama-h768-l12-{BENCH_MODEL_VERSION}")
+    marker = os.path.join(path, "kvtide_bench_model.json")
+    if os.path.exists(marker):
+        return path
+    tmp = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_random_checkpoint(tmp, "LlamaForCausalLM", seed=BENCH_MODEL_SEED, **BENCH_MODEL_CONFIG)
+    with open(os.path.join(tmp, "kvtide_bench_model.json"), "w") as f:
+        json.dump({"version": BENCH_MODEL_VERSION, "config": BENCH_MODEL_CONFIG, "seed": BENCH_MODEL_SEED}, f)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # built concurrently by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def resolve_model(model: str | None) -> str:
+    """--model: None builds/uses the bench checkpoint; 'demo' the demo one; else a directory."""
+    if model is None:
+        return bench_model_path()
+    if model == "demo":
+        from kvtide.models.demo import demo_model_path
+
+        return demo_model_path()
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is not a checkpoint directory")
+    return model
+
+
+def read_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
+                         seed: int, range_ratio: float = 0.0) -> tuple[list[list[int]], list[int]]:
+    """Token-id prompts and output lengths, lengths uniform in [len*(1-r), len*(1+r)]."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1 or num_prompts < 1:
+        raise ValueError("--input-len, --output-len and --num-prompts must be >= 1")
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: int) -> list[int]:
+        low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(low, high + 1, size=num_prompts).tolist()
+
+    in_lens, out_lens = lengths(input_len), lengths(output_len)
+    prompts = [rng.integers(FIRST_PROMPT_TOKEN, vocab_size, size=n).tolist() for n in in_lens]
+    return prompts, out_lens
+
+
+def matmul_flops_per_token(config: dict) -> tuple[float, float]:
+    """(FLOPs of one token through all decoder layers' weight matmuls, FLOPs of the LM head).
+
+    2·in·out per linear: q, k, v, o projections and the gated MLP (gate, up, down). Attention's own
+    QK^T and PV products grow with context and are left out, as is everything that is not a matmul,
+    so the count is a floor of the work done."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    per_layer = 2 * hidden * (q_dim + 2 * kv_dim) + 2 * q_dim * hidden + 2 * 3 * hidden * inter
+    return float(per_layer * config["num_hidden_layers"]), float(2 * hidden * config["vocab_size"])
+
+
+def workload_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Matmul FLOPs of generating output_lens[i] tokens after prompt_lens[i], without recomputation:
+    every prompt token through the layers, the LM head on the last prompt token (it yields the first
+    output token), then each later output token is fed back through layers and LM head."""
+    layers, lm_head = matmul_flops_per_token(config)
+    total = 0.0
+    for n_in, n_out in zip(prompt_lens, output_lens, strict=True):
+        total += n_in * layers + lm_head
+        total += max(0, n_out - 1) * (layers + lm_head)
+    return total
+
+
+def measure_matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best GFLOP/s of torch.mm on n×n float32 matrices over `reps` runs (after one warm-up)."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.float32)
+    b = torch.randn(n, n, dtype=torch.float32)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many sequences are identical, and the mean length of the common prefix."""
+    same = sum(x == y for x, y in zip(a, b, strict=False))
+    prefix = []
+    for x, y in zip(a, b, strict=False):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k)
+    return {"identical": same, "of": min(len(a), len(b)),
+            "mean_common_prefix": float(np.mean(prefix)) if prefix else 0.0}

@@ -1,0 +1,97 @@
+"""`kvtide bench latency`: one request at a time, offline: TTFT, TPOT and tokens/s.
+
+Default workload (PEERS.md's W2): a 128-token prompt, 256 output tokens, greedy, EOS ignored, on the
+bench checkpoint. Each iteration uses a fresh random prompt, so no prefix-cache hit shortens the
+prefill; --num-iters-warmup iterations run first and are not counted. Reported as medians:
+
+  TTFT    request added -> first output token
+  TPOT    (E2E - TTFT) / (output_len - 1); decode tokens/s is its inverse
+  E2E     request added -> last output token; tokens/s = output_len / E2E
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtide.bench.common import random_token_prompts, read_config, resolve_model
+from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_latency
+from kvtide.bench.throughput import engine_kwargs_from_args
+from kvtide.engine_args import EngineArgs
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or 'demo' (default: the bench checkpoint, built once)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-iters", type=int, default=5, help="measured iterations")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured iterations first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf", action="store_true", help="also measure HF transformers generate")
+    parser.add_argument("--output-json", default=None)
+    group = parser.add_argument_group("engine (kvtide)")
+    EngineArgs.add_cli_args(group, skip=("model", "seed"))
+
+
+def latency_workload(vocab_size: int, args) -> dict:
+    """2 prompts per iteration: the second is for engines that time TTFT with a separate request."""
+    if args.num_iters < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
+    count = 2 * (args.num_iters + args.num_iters_warmup)
+    prompts, _ = random_token_prompts(vocab_size, count, args.input_len, 1, args.seed)
+    return {"prompts": prompts, "output_len": args.output_len, "num_warmup": args.num_iters_warmup}
+
+
+def run(args) -> dict:
+    model_dir = resolve_model(args.model)
+    workload = latency_workload(read_config(model_dir)["vocab_size"], args)
+    result: dict = {"model": model_dir, "input_len": args.input_len, "output_len": args.output_len,
+                    "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed}
+    kvtide = KvtideAdapter({"model": model_dir, "max_model_len": None, "engine_kwargs": engine_kwargs_from_args(args)})
+    result["kvtide"] = run_latency(kvtide, workload)
+    del kvtide
+    if args.hf:
+        hf = HFAdapter({"model": model_dir})
+        result["hf"] = run_latency(hf, workload)
+        result["hf"]["version"] = hf.version
+    return result
+
+
+def format_result(result: dict) -> str:
+    lines = [f"one request: {result['input_len']} prompt tokens, {result['output_len']} output tokens; "
+             f"median of {result['num_iters']} iterations"]
+    for key, label in (("kvtide", "kvtide"), ("hf", "HF transformers")):
+        r = result.get(key)
+        if not r:
+            continue
+        tpot = f", TPOT {r['tpot_ms']:.2f} ms ({r['decode_tokens_per_s']:.1f} decode tok/s)" if "tpot_ms" in r else ""
+        lines.append(f"{label}: TTFT {r['ttft_ms']:.1f} ms{tpot}, E2E {r['e2e_ms']:.1f} ms, "
+                     f"{r['tokens_per_s']:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def main_latency(args) -> int:
+    result = run(args)
+    print(format_result(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtide.bench.latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_latency_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main_latency(args)
+    except ValueError as e:
+        print(f"kvtide bench latency: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

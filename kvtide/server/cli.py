@@ -1,0 +1,86 @@
+"""`kvtide serve MODEL`: the OpenAI-compatible server.
+
+    kvtide serve demo --port 8000
+    kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
+
+Engine flags are EngineArgs' (vLLM's names); the server's own are below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvtide.engine_args import EngineArgs
+from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, Hugging Face hub id, or 'demo'")
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $KVTIDE_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: MODEL)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template file or Jinja string overriding the tokenizer's")
+    p.add_argument("--max-request-body", default=str(DEFAULT_MAX_REQUEST_BODY),
+                   help="largest request body in bytes or with a unit ('4MiB'); larger gets 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(p, skip=("model",))
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvtide.config import parse_size
+    from kvtide.server.api_server import run_server
+    from kvtide.server.state import ServerSettings
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    if not model:
+        raise ValueError("give the model: kvtide serve MODEL (a directory, hub id or 'demo')")
+    engine_args = EngineArgs.from_cli_args(args).replace(model=model)
+    try:
+        max_body = parse_size(args.max_request_body)
+    except ValueError as e:
+        raise ValueError(f"--max-request-body: cannot parse {args.max_request_body!r}") from e
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    settings = ServerSettings(served_model_names=args.served_model_name or [model],
+                              api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
+                              chat_template=_read_chat_template(args.chat_template),
+                              max_request_body=max_body, shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
+    exit_code = run_server(engine_args, settings, args.host, args.port, args.log_level)
+    # Everything is stopped and flushed; the interpreter's teardown of torch and transformers
+    # modules would only add seconds to every restart.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """A path to a template file, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value

@@ -1,0 +1,98 @@
+"""Prometheus metrics, named like vLLM's with a `kvtide:` prefix.
+
+Latencies are observed in the API process as outputs arrive (AsyncLLM calls the StatLogger
+methods); engine gauges and counters (running, waiting, KV usage, preemptions, prefix cache) are
+read from the engine core's SchedulerStats on every scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
+from kvtide.engine.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                          0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    """One registry per server (tests may run several in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._labels = {"model_name": model_name}
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"kvtide:{name}", doc, labels, buckets=buckets, registry=r).labels(**self._labels)
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"kvtide:{name}", doc, labels, registry=r).labels(**self._labels)
+
+        def counter(name: str, doc: str):
+            return Counter(f"kvtide:{name}", doc, labels, registry=r).labels(**self._labels)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time from arrival to the first generated token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between consecutive token deliveries of a request.",
+                                             _TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "Mean time per output token after the first, per request.",
+                                               _TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds",
+                                     "Time from arrival to the end of the request.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited before it was first scheduled.", _LATENCY_BUCKETS)
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._finished = Counter("kvtide:request_success", "Finished requests, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._last_stats = SchedulerStats()
+
+    # ---- StatLogger (called by AsyncLLM) --------------------------------------------------------
+    def record_iteration(self, stats: IterationStats) -> None:
+        for value in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(value)
+        for value in stats.inter_token_latencies:
+            self.inter_token_latency.observe(value)
+        for value in stats.queue_times:
+            self.queue_time.observe(value)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self._finished.labels(finished_reason=stats.finish_reason, **self._labels).inc()
+        self.e2e_latency.observe(stats.e2e_latency)
+        if stats.time_per_output_token is not None:
+            self.time_per_output_token.observe(stats.time_per_output_token)
+
+    # ---- scrape ------------------------------------------------------------------------------
+    def update_from_engine(self, stats: SchedulerStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        for counter, new, old in ((self.preemptions, stats.num_preemptions, last.num_preemptions),
+                                  (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                                  (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
+            if new > old:
+                counter.inc(new - old)
+        self._last_stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

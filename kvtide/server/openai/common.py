@@ -1,0 +1,265 @@
+"""What the OpenAI endpoints share: the sampling fields of the protocol, their translation into
+SamplingParams, the max_tokens rule, logprob text, SSE framing, stream merging and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtide.outputs import Logprob
+from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvtide.server.errors import OpenAIError, from_engine_error
+
+MAX_N = 128
+"""Most completions one request may ask for (n); more is refused with 400."""
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class OpenAIBaseModel(BaseModel):
+    """Strict types ("5" is not an integer, true is not 1); unknown fields are ignored, as OpenAI's
+    clients send extras freely."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields /v1/completions and /v1/chat/completions share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", 400, param="stream_options")
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str) -> int:
+    """max_tokens, defaulting to what fits in max_model_len; 400 context_length_exceeded if the
+    prompt plus the requested tokens do not fit."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+                          f"has {num_prompt_tokens} tokens, which leaves no room to generate.", 400,
+                          param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return room
+    if requested > room:
+        raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                          f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                          f"prompt, {requested} for the completion). Please reduce the prompt or max_tokens.",
+                          400, param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    logit_bias = None
+    if request.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in request.logit_bias.items()}
+        except ValueError as e:
+            raise OpenAIError("logit_bias keys must be token ids (integers as strings)", 400,
+                              param="logit_bias") from e
+    if request.min_tokens > max_tokens:
+        raise OpenAIError(f"min_tokens ({request.min_tokens}) must be <= max_tokens ({max_tokens})", 400,
+                          param="min_tokens")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}]", 400, param="logprobs")
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=request.n, presence_penalty=pick(request.presence_penalty, 0.0),
+            frequency_penalty=pick(request.frequency_penalty, 0.0),
+            repetition_penalty=pick(request.repetition_penalty, 1.0), temperature=pick(request.temperature, 1.0),
+            top_p=pick(request.top_p, 1.0), top_k=pick(request.top_k, -1), min_p=pick(request.min_p, 0.0),
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
+            logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias)
+    except ValueError as e:
+        raise from_engine_error(e) from e
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at one position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+    return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
+
+
+def chosen_logprob(entry: dict[int, Logprob], token_id: int) -> float:
+    logprob = entry.get(token_id)
+    return logprob.logprob if logprob is not None else float("-inf")
+
+
+def safe_float(value: float) -> float:
+    """JSON has no -inf or NaN: report them as -9999.0 (a probability of zero, for any client)."""
+    if value != value:
+        return -9999.0
+    return max(value, -9999.0)
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+T = TypeVar("T")
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as their items arrive: (stream index, item). An error in
+    any stream is raised; leaving early (or an error) closes them all, which aborts their requests."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _aclose(streams[0])
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+        except Exception as e:
+            await queue.put((index, None, e))
+        finally:
+            await _aclose(stream)
+            await queue.put((index, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def first_and_rest(stream: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
+    """Wait for the first item (so admission errors become HTTP errors before any header is sent),
+    then give back an iterator over everything including it. On an error the stream is closed."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return None, _empty()
+    except BaseException:
+        await _aclose(stream)
+        raise
+
+    async def chained() -> AsyncIterator[T]:
+        try:
+            yield first
+            async for item in stream:
+                yield item
+        finally:
+            await _aclose(stream)
+
+    return first, chained()
+
+
+async def _empty() -> AsyncIterator[Any]:
+    return
+    yield  # pragma: no cover
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests in the
+    engine) and raise ClientDisconnected. Starlette does this itself only for streamed bodies."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        watch_task.cancel()
+        raise
+    if work_task in done:
+        watch_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch_task
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work_task
+    raise ClientDisconnected
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return

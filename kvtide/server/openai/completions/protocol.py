@@ -1,0 +1,53 @@
+"""POST /v1/completions: request and response bodies (OpenAI's, plus vLLM's extras)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from kvtide.server.openai.common import NonNegInt, OpenAIBaseModel, SamplingRequest, UsageInfo
+
+PromptField = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptField
+    """A string, a list of strings, token ids, or a list of token-id lists (one completion set each)."""
+    suffix: str | None = None
+    """Not supported (refused with 400 when non-empty)."""
+    echo: bool = False
+    """Not supported (refused with 400 when true)."""
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    """Only best_of == n (the default) is supported."""
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to text prompts."""
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump()

@@ -1,0 +1,195 @@
+"""/v1/completions: prompts -> engine requests -> one JSON response or an SSE stream.
+
+Each prompt of the request is one engine request (n samples each); choice index is
+prompt_index * n + sample index, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtide.outputs import CompletionOutput, RequestOutput
+from kvtide.server.errors import OpenAIError, from_engine_error, from_value_error
+from kvtide.server.openai.common import (
+    SSE_DONE,
+    ClientDisconnected,
+    UsageInfo,
+    build_sampling_params,
+    chosen_logprob,
+    first_and_rest,
+    merge_streams,
+    resolve_max_tokens,
+    safe_float,
+    sse,
+    top_entries,
+    until_disconnected,
+)
+from kvtide.server.openai.completions.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from kvtide.server.state import ServerState
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        state = self.state
+        model = state.check_model(request.model)
+        self._check_supported(request)
+        prompts = _normalize_prompts(request.prompt)
+        prompt_ids = []
+        for prompt in prompts:
+            try:
+                prompt_ids.append(state.engine.process_prompt(prompt, request.add_special_tokens).prompt_token_ids)
+            except ValueError as e:
+                raise from_value_error(e, param="prompt") from e
+        params = [build_sampling_params(
+            request, resolve_max_tokens(request.max_tokens, len(ids), state.max_model_len, "prompt"),
+            request.logprobs) for ids in prompt_ids]
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = [state.engine.generate({"prompt_token_ids": ids}, p, f"{response_id}-{i}", request.priority)
+                   for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=False))]
+        num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        merged = merge_streams(streams)
+        if request.stream:
+            try:
+                # Until the first output, a client that leaves is noticed here (then by Starlette).
+                _, rest = await until_disconnected(raw_request, first_and_rest(merged))
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return StreamingResponse(self._stream(rest, request, response_id, model, num_prompt_tokens),
+                                     media_type="text/event-stream")
+        try:
+            body = await until_disconnected(
+                raw_request, self._collect(merged, request, response_id, model, num_prompt_tokens))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(body)
+
+    @staticmethod
+    def _check_supported(request: CompletionRequest) -> None:
+        request.check_stream_options()
+        if request.echo:
+            raise OpenAIError("echo is not supported", 400, param="echo")
+        if request.suffix:
+            raise OpenAIError("suffix is not supported", 400, param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of other than n is not supported", 400, param="best_of")
+
+    # ---- non-streamed ----------------------------------------------------------------------
+    async def _collect(self, merged: AsyncIterator[tuple[int, RequestOutput]], request: CompletionRequest,
+                       response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
+        choices: dict[int, _Choice] = {}
+        async for prompt_index, output in merged:
+            for completion in output.outputs:
+                choice = choices.setdefault(prompt_index * request.n + completion.index, _Choice())
+                choice.text.append(completion.text)
+                choice.num_tokens += len(completion.token_ids)
+                if request.logprobs is not None:
+                    choice.logprobs = self._logprobs(completion, request.logprobs, choice.logprobs,
+                                                     sum(len(t) for t in choice.text[:-1]))
+                if completion.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+        response = CompletionResponse(
+            id=response_id, created=int(time.time()), model=model,
+            choices=[CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for i, c in sorted(choices.items())],
+            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values())))
+        return response.model_dump()
+
+    def _logprobs(self, completion: CompletionOutput, k: int, into: CompletionLogprobs | None,
+                  text_offset: int) -> CompletionLogprobs:
+        result = into or CompletionLogprobs()
+        offset = result.text_offset[-1] + len(result.tokens[-1]) if result.tokens else text_offset
+        token_text = self.state.token_text
+        for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+            text = token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(safe_float(chosen_logprob(entry, token_id)))
+            result.top_logprobs.append(_top_dict(token_text, entry, k) if k > 0 else None)
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    # ---- streamed --------------------------------------------------------------------------
+    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], request: CompletionRequest,
+                      response_id: str, model: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = request.include_usage_in_stream()
+        num_completion_tokens = 0
+        logprobs_state: dict[int, CompletionLogprobs] = {}
+        try:
+            async for prompt_index, output in outputs:
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * request.n + completion.index
+                    num_completion_tokens += len(completion.token_ids)
+                    logprobs = None
+                    if request.logprobs is not None:
+                        previous = logprobs_state.get(index)
+                        base = previous.text_offset[-1] + len(previous.tokens[-1]) \
+                            if previous and previous.tokens else 0
+                        delta = self._logprobs(completion, request.logprobs, None, base)
+                        if delta.tokens:
+                            logprobs_state[index] = delta
+                        logprobs = delta.model_dump()
+                    choices.append({"index": index, "text": completion.text, "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason,
+                                    "stop_reason": completion.stop_reason})
+                chunk: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
+                                         "model": model, "choices": choices}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if include_usage:
+                yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens).model_dump()})
+        except Exception as e:
+            yield sse(from_engine_error(e).body())
+        finally:
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        yield SSE_DONE
+
+
+def _top_dict(token_text, entry, k: int) -> dict[str, float]:
+    """{token text: logprob} of the top k; distinct ids with the same text (byte pieces that decode
+    to U+FFFD) keep the likelier one."""
+    top: dict[str, float] = {}
+    for token_id, logprob in top_entries(entry, k):
+        top.setdefault(token_text(token_id), safe_float(logprob.logprob))
+    return top
+
+
+def _normalize_prompts(prompt: Any) -> list[Any]:
+    """str | list[str] | list[int] | list[list[int]] -> a list of prompts (str or token-id lists)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", 400, param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)

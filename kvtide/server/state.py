@@ -1,0 +1,84 @@
+"""ServerState: what every route needs, hung on `app.state.kvtide`."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from kvtide.engine.async_llm import AsyncLLM
+from kvtide.server.errors import OpenAIError
+from kvtide.server.metrics import ServerMetrics
+
+DEFAULT_MAX_REQUEST_BODY = 4 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    """The server's own flags (the engine's live in EngineArgs)."""
+
+    served_model_names: list[str]
+    """Names /v1/models lists and requests may ask for; the first is the one reported."""
+    api_key: str | None = None
+    chat_template: str | None = None
+    """A Jinja template overriding the tokenizer's (already read from a file if one was given)."""
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    """Bytes; larger bodies get 413."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for requests in flight before the server stops anyway."""
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    settings: ServerSettings
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    """SIGTERM received: new requests get 503, those in flight finish."""
+    num_inflight: int = 0
+    """HTTP requests being served (not counting /health and /metrics)."""
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self.engine.is_dead:
+            return "the engine is dead"
+        if self.draining:
+            return "the server is shutting down"
+        return None
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to report for a request naming `model` (None: the default); 404 if unknown."""
+        if model is None or model in self.settings.served_model_names:
+            return self.model_name
+        raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    @functools.cached_property
+    def token_text(self):
+        """token id -> its text alone (for logprobs), cached."""
+        tokenizer = self.tokenizer
+
+        @functools.lru_cache(maxsize=1 << 16)
+        def decode(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return decode
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.kvtide
