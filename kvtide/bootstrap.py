@@ -35,7 +35,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | N
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
     except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path}: {e}. Pass --tokenizer DIR") from e
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load a tokenizer from {path} ({reason}); pass --tokenizer DIR, a directory "
+                         f"with tokenizer.json or tokenizer_config.json") from e
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> list[int]:

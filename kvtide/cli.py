@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
-        print(f"kvtide {args.command}: error: {e}", file=sys.stderr)
+        # One line (issue 7): a wrapped library message may span several.
+        print(f"kvtide {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -43,7 +43,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    """-1 (or 0, accepted as vLLM does) disables top-k."""
+    """-1 disables top-k. 0 is refused (the issue's rule), not silently read as 'disabled'."""
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -77,8 +77,6 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
-            self.top_k = -1
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._verify()
@@ -102,7 +100,7 @@ class SamplingParams:
             raise bad("temperature", "a finite number >= 0", self.temperature)
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
             raise bad("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]", self.min_p)

@@ -25,6 +25,7 @@ BAD = [
     (dict(top_p=-0.5), "top_p", "(0, 1]"),
     (dict(top_p=1.0001), "top_p", "(0, 1]"),
     (dict(top_p=NAN), "top_p", "(0, 1]"),
+    (dict(top_k=0), "top_k", ">= 1"),
     (dict(top_k=-2), "top_k", ">= 1"),
     (dict(top_k=2.5), "top_k", ">= 1"),
     (dict(top_k=True), "top_k", ">= 1"),
@@ -94,8 +95,8 @@ def test_good_values_accepted(kwargs):
 
 
 def test_normalization():
-    p = SamplingParams(top_k=0, stop="end", stop_token_ids=(4,), logit_bias={"7": 1, 3: -2})
-    assert p.top_k == -1  # 0 disables top-k, as in vLLM
+    p = SamplingParams(top_k=-1, stop="end", stop_token_ids=(4,), logit_bias={"7": 1, 3: -2})
+    assert p.top_k == -1
     assert p.stop == ["end"] and p.stop_token_ids == [4]
     assert p.logit_bias == {7: 1.0, 3: -2.0}
     assert p.all_stop_token_ids == {4}

@@ -102,7 +102,8 @@ class AsyncLLM:
 
     @classmethod
     async def from_engine_args(cls, engine_args: Any, stat_logger: StatLogger | None = None,
-                               startup_timeout_s: float = 600.0) -> AsyncLLM:
+                               startup_timeout_s: float = 600.0,
+                               engine_timeout_s: float | None = None) -> AsyncLLM:
         from kvtide.bootstrap import load_tokenizer
 
         def tokenizer_from_args():
@@ -112,7 +113,7 @@ class AsyncLLM:
         # The tokenizer loads here while the engine core loads the model there.
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(tokenizer_from_args))
         try:
-            client = await EngineCoreClient.start(engine_args, startup_timeout_s)
+            client = await EngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
         except BaseException:
             await asyncio.gather(tokenizer_task, return_exceptions=True)
             raise
@@ -328,6 +329,15 @@ class AsyncLLM:
             self.output_processor.abort_requests([state.request_id])
             self._finish(state, "error")
             state.queue.put_nowait(error)
+
+    def fail_all_requests(self, error: Exception) -> int:
+        """End every request in flight with `error` (raised from its generate() iterator) and abort
+        it in the engine; e.g. when a drain's time is up. Returns how many there were."""
+        states = list(self._requests.values())
+        for state in states:
+            self._abort(state.request_id, "error")
+            state.queue.put_nowait(error)
+        return len(states)
 
     # ---- utilities -------------------------------------------------------------------------
     async def get_stats(self, timeout_s: float | None = 5.0) -> SchedulerStats:

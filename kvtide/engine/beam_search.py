@@ -111,7 +111,10 @@ class BeamSearch:
         if not params.use_beam_search:
             return False
         if core_request.fork_of is not None:
-            group = self.groups[core_request.fork_of]
+            group = self.groups.get(core_request.fork_of)
+            if group is None:
+                raise ValueError(f"beam search: no root beam {core_request.fork_of!r} for "
+                                 f"{core_request.request_id!r}")
             group.output_ids.append(core_request.request_id)
             self._output_group[core_request.request_id] = group.root_id
             return True
@@ -136,8 +139,11 @@ class BeamSearch:
         for req_id in [r for r in runner_output.failed if r in self._beam_group]:
             self.groups[self._beam_group[req_id]].error = runner_output.failed.pop(req_id)
 
-    def advance(self) -> list[EngineCoreOutput]:
-        """Step every group whose beams all reported; return the outputs of groups that ended."""
+    def advance(self, stalled: bool = False) -> list[EngineCoreOutput]:
+        """Step every group whose beams all reported; return the outputs of groups that ended.
+        `stalled`: the step scheduled nothing (see _park_reported_beams)."""
+        if stalled:
+            self._park_reported_beams()
         outputs: list[EngineCoreOutput] = []
         for group in list(self.groups.values()):
             if group.error is not None:
@@ -157,6 +163,18 @@ class BeamSearch:
             elif root_id in self.groups:
                 self._drop(self.groups[root_id])
         return rest
+
+    def _park_reported_beams(self) -> None:
+        """Beams that reported wait, holding blocks, for beams of their group that were preempted;
+        when nothing else can run, those cannot get blocks back and the engine would wait forever.
+        So free the reported beams' blocks (their tokens and reports stay with the group): their
+        full blocks stay in the prefix cache, and their children start from it (fork_request)."""
+        for group in self.groups.values():
+            pending = [b.request for b in group.beams if b.request.request_id not in group.reports]
+            if all(r.status == RequestStatus.RUNNING for r in pending):
+                continue
+            parked = [b.request.request_id for b in group.beams if b.request.request_id in group.reports]
+            self.scheduler.finish_requests(parked, RequestStatus.FINISHED_STOPPED)
 
     # ---- one step of one group ---------------------------------------------------------------
     def _step(self, group: BeamGroup) -> bool:

@@ -64,7 +64,7 @@ class EngineCore:
         self.num_steps += 1
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return outputs + self.beam_search.advance()
+        return outputs + self.beam_search.advance(stalled=scheduler_output.is_empty)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -6,6 +6,7 @@
     │   EngineCoreClient   │  PULL ◀─ipc://…-output── PUSH  │   EngineCore.step()   │
     └──────────────────────┘                                └───────────────────────┘
           ▲ monitor task: proc.poll() every 0.2 s -> EngineDeadError for everyone waiting
+          ▲ watchdog (same task): nothing heard for engine_timeout_s -> EngineDeadError too
 
 The client spawns the process (a fresh interpreter: `python -m kvtide.engine.core_proc`), binds
 both sockets (ipc paths that contain this process's pid), waits for "ready", then sends requests
@@ -40,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.2
 """How often the client checks that the engine-core process is alive."""
+DEFAULT_ENGINE_TIMEOUT_S = 30.0
+"""The watchdog's default: an engine core silent this long (no output, no answer to its pings) is
+declared dead. It must exceed the longest single step (a long prefill on a CPU, a first step that
+JIT-compiles kernels); a stopped (SIGSTOP) or wedged process is what it is for."""
+_HEARTBEAT_CALL_ID = -1
+"""Call id of the watchdog's pings; their answers only refresh the time last heard."""
 
 
 class EngineDeadError(RuntimeError):
@@ -85,8 +92,14 @@ class AddErrorMessage:
 
 class EngineCoreClient:
     def __init__(self, proc: subprocess.Popen, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
-                 output_socket: zmq.asyncio.Socket, ipc_paths: list[str]) -> None:
+                 output_socket: zmq.asyncio.Socket, ipc_paths: list[str],
+                 engine_timeout_s: float | None = None) -> None:
         self.proc = proc
+        self.engine_timeout_s = engine_timeout_s or None
+        """Watchdog: silent this long -> dead (None or 0: only a process exit counts)."""
+        self._last_heard = 0.0
+        self._last_ping = 0.0
+        self._unresponsive = False
         self._context = context
         self._input = input_socket
         self._output = output_socket
@@ -101,7 +114,8 @@ class EngineCoreClient:
 
     # ---- start / stop ------------------------------------------------------------------------
     @classmethod
-    async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0) -> EngineCoreClient:
+    async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0,
+                    engine_timeout_s: float | None = None) -> EngineCoreClient:
         """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready."""
         context = zmq.asyncio.Context()
         tag = f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -121,7 +135,7 @@ class EngineCoreClient:
                    "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
                    "--engine-args", args_json]
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        client = cls(proc, context, input_socket, output_socket, [input_path, output_path])
+        client = cls(proc, context, input_socket, output_socket, [input_path, output_path], engine_timeout_s)
         try:
             await client._wait_ready(startup_timeout_s)
         except BaseException:
@@ -138,6 +152,7 @@ class EngineCoreClient:
                 message = serialization.decode(await self._output.recv())
                 if message[0] == "ready":
                     self.info = EngineCoreInfo(**message[1])
+                    self._last_heard = loop.time()
                     logger.info("engine core ready (pid %d, %d KV blocks of %d tokens)", self.info.pid,
                                 self.info.num_blocks, self.info.block_size)
                     return
@@ -156,9 +171,14 @@ class EngineCoreClient:
         self._closed = True
         if self._monitor_task is not None:
             self._monitor_task.cancel()
+        if self.proc.poll() is None and self._unresponsive:
+            self.proc.kill()  # stopped or wedged: it would not hear a polite request
+            self.proc.wait()
         if self.proc.poll() is None:
             with contextlib.suppress(zmq.ZMQError):
-                self._input.send(serialization.encode(["shutdown"]), flags=zmq.NOBLOCK)
+                sent = self._input.send(serialization.encode(["shutdown"]), flags=zmq.NOBLOCK)
+                if isinstance(sent, asyncio.Future):  # zmq.asyncio reports a full queue in the future
+                    sent.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -187,7 +207,31 @@ class EngineCoreClient:
     async def _monitor(self) -> None:
         while self.proc.poll() is None:
             await asyncio.sleep(MONITOR_INTERVAL_S)
+            if self.engine_timeout_s is not None and self._watchdog(asyncio.get_running_loop().time()):
+                return
         self.mark_dead(f"engine core process exited with code {self.proc.returncode}")
+
+    def _watchdog(self, now: float) -> bool:
+        """Ping an engine core that has been quiet; declare it dead (True) once it has been silent
+        for engine_timeout_s. Messages waiting unread in the socket count as heard: a busy event
+        loop in this process is not the engine's fault."""
+        assert self.engine_timeout_s is not None
+        if self.dead_error is not None or self._closed:
+            return True
+        if self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._last_heard = now
+        silent = now - self._last_heard
+        if silent > self.engine_timeout_s:
+            self._unresponsive = True
+            self.mark_dead(f"engine core (pid {self.proc.pid}) unresponsive for {silent:.1f} s "
+                           f"(--engine-timeout {self.engine_timeout_s:g})")
+            return True
+        interval = min(1.0, self.engine_timeout_s / 4)
+        if silent > interval and now - self._last_ping > interval:
+            self._last_ping = now
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(["utility", _HEARTBEAT_CALL_ID, "ping", []])
+        return False
 
     def mark_dead(self, reason: str) -> None:
         if self.dead_error is not None or self._closed:
@@ -248,6 +292,7 @@ class EngineCoreClient:
             if not await self._output.poll(timeout=int(MONITOR_INTERVAL_S * 1000)):
                 continue
             message = serialization.decode(await self._output.recv())
+            self._last_heard = asyncio.get_running_loop().time()
             kind = message[0]
             if kind == "outputs":
                 return OutputsMessage([serialization.output_from_wire(o) for o in message[1]], message[2])

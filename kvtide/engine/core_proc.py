@@ -188,6 +188,9 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     try:
         try:
             core, info = build_engine_core(EngineArgs(**engine_args))
+        except ValueError as e:  # a bad checkpoint or flag: the API side prints it as one line
+            output_socket.send(serialization.encode(["startup_error", str(e)]))
+            return 1
         except Exception as e:
             logger.exception("engine core failed to start")
             output_socket.send(serialization.encode(["startup_error", f"{type(e).__name__}: {e}"]))

@@ -112,25 +112,26 @@ class KVCacheManager:
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus prefix hits).
 
-        A block the new tokens land in that other requests still share (after a fork) is copied
-        first. Returns the newly allocated blocks, or None, changing nothing, when the pool is short."""
+        A block the new tokens land in that other requests still share (after a fork), or that is
+        published in the prefix cache, is copied first: shared and cached KV never changes.
+        Returns the newly allocated blocks, or None, changing nothing, when the pool is short."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
-        shared = [i for i in range(num_computed // self.block_size, len(req_blocks))
-                  if req_blocks[i].ref_cnt > 1]
+        to_copy = [i for i in range(num_computed // self.block_size, len(req_blocks))
+                   if req_blocks[i].ref_cnt > 1 or req_blocks[i].block_hash is not None]
         # Hits sitting in the free queue stop being allocatable once we take them.
         num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + len(shared) > self.pool.num_free_blocks - num_hits_in_free_queue:
+        if num_new_blocks + len(to_copy) > self.pool.num_free_blocks - num_hits_in_free_queue:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
         if not req_blocks:
             self._record_prefix_lookup(request, num_new_computed_tokens)
-        if shared:
-            self._copy_on_write(request.request_id, req_blocks, shared)
+        if to_copy:
+            self._copy_on_write(request.request_id, req_blocks, to_copy)
         self.pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)

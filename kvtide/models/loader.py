@@ -47,7 +47,8 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except Exception as e:  # corrupt or truncated file
-            raise ValueError(f"cannot read weights from {path}: {e}") from e
+            raise ValueError(f"cannot read weights from {path} ({e}): the file is corrupt or truncated; "
+                             f"download or convert the checkpoint again") from e
 
 
 def load_model(model_dir: str, hf_config, dtype: torch.dtype, max_model_len: int,

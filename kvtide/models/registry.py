@@ -22,7 +22,7 @@ def resolve_architecture(hf_config) -> str:
         if arch in _MODELS:
             return arch
     raise ValueError(f"architecture {architectures or '(none in config.json)'} is not supported; "
-                     f"supported: {', '.join(supported_architectures())}")
+                     f"supported: {', '.join(supported_architectures())}; serve a checkpoint of one of these")
 
 
 def get_model_class(hf_config) -> type:

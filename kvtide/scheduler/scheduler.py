@@ -147,7 +147,14 @@ class Scheduler:
 
     # ---- forks -----------------------------------------------------------------------------
     def fork_request(self, parent: Request, child: Request) -> None:
-        """Admit `child` as running, sharing `parent`'s computed KV blocks by reference count."""
+        """Admit `child` as running, sharing `parent`'s computed KV blocks by reference count. A
+        parent holding no blocks (preempted, or a parked beam) has nothing to share: the child
+        then queues like a new request, taking what it can from the prefix cache."""
+        if parent.request_id not in self.kv_cache_manager.req_to_blocks:
+            child.status = RequestStatus.WAITING
+            self.requests[child.request_id] = child
+            self.waiting.add_front(child)
+            return
         self.kv_cache_manager.fork(parent, child)
         if child.num_cached_tokens < 0:
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)

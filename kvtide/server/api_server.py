@@ -5,8 +5,9 @@
       2. build_app: routes (openai/*), exception handlers, the guard middleware
       3. serve with uvicorn until one of:
            SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
-                              --shutdown-timeout), stop; exit 0
-           engine death    -> /health 503 at once, requests in flight fail, stop after a short
+                              --shutdown-timeout; then they end with an error), stop; exit 0
+           engine death    -> (exit, fatal step error, or silent for --engine-timeout)
+                              /health 503 at once, requests in flight fail, stop after a short
                               linger (so health checks can see the 503); exit 1
       4. stop the engine-core process (always: no child outlives the server)
 """
@@ -27,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 import kvtide
 from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import EngineDeadError
-from kvtide.server.errors import RETRY_AFTER_S, error_response, install_exception_handlers
+from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
+from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
@@ -147,6 +149,12 @@ class _Lifecycle:
             await asyncio.sleep(0.05)
         if self.state.num_inflight:
             logger.warning("shutdown timeout: %d request(s) still in flight are cut off", self.state.num_inflight)
+            # Each ends with an error (a stream: an error event and [DONE]), not a cut connection.
+            self.state.engine.fail_all_requests(OpenAIError(
+                "the server is shutting down (--shutdown-timeout passed)", 503, code="shutting_down"))
+            deadline = self.loop.time() + 1.0
+            while self.state.num_inflight > 0 and self.loop.time() < deadline:
+                await asyncio.sleep(0.02)
         assert self.server is not None
         self.server.should_exit = True
 
@@ -167,13 +175,16 @@ class _Lifecycle:
 async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int,
                 log_level: str = "info") -> int:
     metrics = ServerMetrics(settings.served_model_names[0])
-    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics)
+    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics,
+                                             engine_timeout_s=settings.engine_timeout or None)
     try:
         state = ServerState(engine=engine, settings=settings, metrics=metrics)
         lifecycle = _Lifecycle(state, asyncio.get_running_loop())
         engine.client.add_dead_listener(lifecycle.on_engine_dead)
         config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",
-                                timeout_graceful_shutdown=2, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=2, timeout_keep_alive=5,
+                                # Headers up to 4x our limit reach the middleware (431 as JSON).
+                                h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES)
         server = _UvicornServer(config, lifecycle)
         lifecycle.server = server
         logger.info("serving %s on http://%s:%d", settings.served_model_names[0], host, port)

@@ -11,15 +11,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
+from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.engine_args import EngineArgs
+from kvtide.server import limits
 from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, epilog=limits.describe(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint directory, Hugging Face hub id, or 'demo'")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
@@ -35,7 +39,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-request-body", default=str(DEFAULT_MAX_REQUEST_BODY),
                    help="largest request body in bytes or with a unit ('4MiB'); larger gets 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for requests in flight")
+                   help="seconds SIGTERM waits for requests in flight; those still running then end "
+                        "with an error")
+    p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
+                   help="seconds the engine core may stay silent (a stopped or wedged process) before "
+                        "it is declared dead: requests in flight fail, /health turns 503, the server "
+                        "exits; must exceed the longest step; 0 disables")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -58,10 +67,14 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body: cannot parse {args.max_request_body!r}") from e
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    if args.engine_timeout < 0:
+        raise ValueError("--engine-timeout must be >= 0 (0 disables the watchdog)")
+    _check_port_free(args.host, args.port)
     settings = ServerSettings(served_model_names=args.served_model_name or [model],
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
                               chat_template=_read_chat_template(args.chat_template),
-                              max_request_body=max_body, shutdown_timeout=args.shutdown_timeout)
+                              max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
+                              engine_timeout=args.engine_timeout)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
@@ -72,6 +85,18 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after the model loaded, when the address is taken (issue 7)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick a free port with "
+                             f"--port or stop the process that holds it") from e
 
 
 def _read_chat_template(value: str | None) -> str | None:

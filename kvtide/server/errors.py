@@ -27,7 +27,7 @@ RETRY_AFTER_S = 1
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+          422: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
           503: "service_unavailable"}
 
 # The first word of SamplingParams / InputProcessor messages is the parameter they are about.

@@ -2,7 +2,7 @@
 streaming and disconnect detection are untouched).
 
     /health ─────────────────────────────────────────────────────────────▶ app (answers 200/503)
-    other   ─▶ 503 draining/dead ─▶ 401 key ─▶ 413 body size ─▶ count in flight ─▶ app
+    other   ─▶ 503 draining/dead ─▶ 431 header size ─▶ 401 key ─▶ 413 body size ─▶ count in flight ─▶ app
 
 The body is read here, up to --max-request-body bytes (Content-Length is checked first, then the
 bytes actually received), and replayed to the app; after it, `receive` is the server's again, so
@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError
+from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.state import ServerState
 
 Scope = dict[str, Any]
@@ -75,7 +76,12 @@ class ServerGuardMiddleware:
         if reason is not None:
             return OpenAIError(f"Service unavailable: {reason}", 503, code="unavailable",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        raw_headers = scope.get("headers", [])
+        header_bytes = sum(len(k) + len(v) for k, v in raw_headers)
+        if header_bytes > MAX_HEADER_BYTES:
+            return OpenAIError(f"Request headers total {header_bytes} bytes, over the limit of "
+                               f"{MAX_HEADER_BYTES}", 431, code="headers_too_large")
+        headers = {k.decode("latin-1").lower(): v for k, v in raw_headers}
         api_key = self.state.settings.api_key
         if api_key is not None and not _authorized(headers, api_key):
             return OpenAIError("Invalid or missing API key: pass it as 'Authorization: Bearer KEY'", 401,

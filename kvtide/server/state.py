@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import Request
 
 from kvtide.engine.async_llm import AsyncLLM
+from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
+from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
 from kvtide.server.metrics import ServerMetrics
-
-DEFAULT_MAX_REQUEST_BODY = 4 * 1024 * 1024
 
 
 @dataclass
@@ -28,7 +28,9 @@ class ServerSettings:
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
     """Bytes; larger bodies get 413."""
     shutdown_timeout: float = 30.0
-    """Seconds SIGTERM waits for requests in flight before the server stops anyway."""
+    """Seconds SIGTERM waits for requests in flight; those still running then end with an error."""
+    engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S
+    """Watchdog: an engine core silent this many seconds is declared dead (0: never)."""
 
 
 @dataclass

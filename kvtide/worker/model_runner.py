@@ -19,6 +19,7 @@ from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from kvtide.testing.faults import FAULTS  # issue 7: test-only fault injection, None unless env set
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
+            if FAULTS is not None:  # issue 7 hook: KVTIDE_FAULT_INJECT (kvtide/testing/faults.py)
+                FAULTS.on_logits(logits, [s.token_ids[:s.num_prompt_tokens] for s in states])
             md = SamplingMetadata.build([s.row_state() for s in states], self.vocab_size, self.device)
             sampled = self.sampler(logits, md)
             bad = set(sampled.bad_rows)

@@ -40,12 +40,22 @@ def chunked(ids: list[int], sizes: list[int]) -> list[list[int]]:
     return steps
 
 
+class SlowTokenizer:
+    """A tokenizer without a `tokenizers` backend (no DecodeStream): full decodes only."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return TOKENIZER.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return TOKENIZER.convert_ids_to_tokens(token_id)
+
+
 def run(prompt_ids: list[int], steps: list[list[int]], params: SamplingParams,
-        finish_reason: str = "length"):
+        finish_reason: str = "length", tokenizer=TOKENIZER):
     """Feed the steps to one request per output kind, as the engine core would (a sequence that a
     stop string ended gets no more tokens). Returns {kind: [RequestOutput...]} and the ids the
     processor asked to abort."""
-    processor = OutputProcessor(TOKENIZER)
+    processor = OutputProcessor(tokenizer)
     for kind in KINDS:
         processor.add_request(kind.name, None, prompt_ids, params, [f"core-{kind.name}"], kind)
     outputs: dict[RequestOutputKind, list] = {kind: [] for kind in KINDS}
@@ -191,6 +201,30 @@ def test_stop_strings_never_leak(text, stops, include, sizes):
             assert not any(s in final.text for s in stops)
         for out in outputs[RequestOutputKind.DELTA] + outputs[RequestOutputKind.CUMULATIVE]:
             assert out.outputs[0].stop_reason in (None, stop)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.binary(max_size=4), body=st.binary(min_size=1, max_size=16),
+       stops=st.lists(st.sampled_from(["a", "\ufffd", "ab", "b\x00"]), max_size=2), include=st.booleans())
+def test_tokenizer_without_decode_stream(prompt, body, stops, include):
+    """Full decodes stand in for the stream: text still streams, is exact, and stops the same."""
+    ids = ids_of(body)
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=None)
+    steps = [[t] for t in ids]
+    fast, _ = run([BOS_ID] + ids_of(prompt), steps, params)
+    slow, _ = run([BOS_ID] + ids_of(prompt), steps, params, tokenizer=SlowTokenizer())
+    expected = fast[RequestOutputKind.FINAL_ONLY][0].outputs[0]
+    check_consistent(slow, expected.text)
+    got = slow[RequestOutputKind.FINAL_ONLY][0].outputs[0]
+    assert (got.finish_reason, got.stop_reason) == (expected.finish_reason, expected.stop_reason)
+    if not stops:
+        assert expected.text == body.decode("utf-8", errors="replace")
+
+
+def test_tokenizer_without_decode_stream_streams():
+    outputs, _ = run([BOS_ID], [[t] for t in ids_of("ab€c".encode())], SamplingParams(),
+                     tokenizer=SlowTokenizer())
+    assert [o.outputs[0].text for o in outputs[RequestOutputKind.DELTA]] == ["a", "b", "", "", "€", "c"]
 
 
 def test_stop_string_split_across_tokens_is_held_back():

@@ -44,9 +44,9 @@ def test_n_unseeded_returns_n_completions(llm):
 
 
 def test_seeded_request_same_alone_and_in_a_batch(llm):
-    seeded = SamplingParams(seed=5, temperature=0.9, top_k=50, max_tokens=8)
+    seeded = SamplingParams(seed=5, temperature=0.9, top_k=50, max_tokens=6)
     alone = llm.generate(PROMPT, seeded)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.2, max_tokens=5), SamplingParams(temperature=0.0, max_tokens=9),
+    others = [SamplingParams(temperature=1.2, max_tokens=3), SamplingParams(temperature=0.0, max_tokens=7),
               SamplingParams(seed=1, max_tokens=3, top_p=0.5)]
     prompts = ["a", [5, 6, 7, 8], PROMPT, "another prompt"]
     params = others[:2] + [seeded] + others[2:]
@@ -56,7 +56,7 @@ def test_seeded_request_same_alone_and_in_a_batch(llm):
 
 
 def test_stop_string_and_stop_token_end_generation(llm):
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     full = llm.generate(PROMPT, greedy)[0].outputs[0]
     text = full.text
     start = next(i for i in range(3, len(text) - 1) if "\ufffd" not in text[i:i + 2])

@@ -148,11 +148,17 @@ def test_architecture_matches_hf(checkpoint_factory, case):
         assert_prompt_logprobs_match_hf(model_dir, out, f"{case} prompt {i}")
 
 
-def test_sliding_window_matters(checkpoint_factory):
-    """Guard for the Mistral case above: with the window, HF's continuation of the long prompt differs
-    from the same weights without one, so matching HF really checks the window."""
-    windowed = hf_greedy(checkpoint_factory("MistralForCausalLM", sliding_window=16), LONG_PROMPT, MAX_TOKENS)
-    full = hf_greedy(checkpoint_factory("MistralForCausalLM", sliding_window=None), LONG_PROMPT, MAX_TOKENS)
+@pytest.mark.parametrize("case, without_window", [
+    ("mistral-sliding-window", dict(sliding_window=None)),
+    ("qwen2-mixed-window", dict(use_sliding_window=False)),
+])
+def test_sliding_window_matters(checkpoint_factory, case, without_window):
+    """Guard for the windowed cases above: HF's continuation of the long prompt differs from the same
+    weights without a window, so matching HF really checks the window."""
+    architecture, overrides = ARCH_CASES[case]
+    windowed = hf_greedy(checkpoint_factory(architecture, **overrides), LONG_PROMPT, MAX_TOKENS)
+    full = hf_greedy(checkpoint_factory(architecture, **{**overrides, **without_window}), LONG_PROMPT,
+                     MAX_TOKENS)
     assert windowed.token_ids != full.token_ids
 
 

@@ -170,3 +170,18 @@ def test_llm_beam_search_entry_point(llama_dir):
         assert all(s.text is not None for s in result.sequences)
     with pytest.raises(ValueError, match="temperature"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5))
+
+
+def test_beam_search_under_memory_pressure(llama_dir):
+    """Two groups of 4 beams in a 10-block cache: beams are preempted, reported beams that wait on
+    them get parked (blocks freed), their children restart from the prefix cache, and the result
+    still equals HF's."""
+    rng = random.Random(8)
+    prompts = [random_tokens(rng, 40) for _ in range(2)]
+    expected = [hf_beam_search(llama_dir, p, 4, 30, 1.0, False, []) for p in prompts]
+    bytes_per_block = 2 * BLOCK_SIZE * 2 * 32 * 4 * 4
+    llm = make_llm(llama_dir, kv_cache_memory=str(10 * bytes_per_block), max_model_len=128)
+    outputs = llm.generate(prompts, SamplingParams(use_beam_search=True, beam_width=4, n=4, max_tokens=30))
+    assert llm.engine.core.get_stats().num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
+    assert_drained(llm)

@@ -88,7 +88,7 @@ class Walk:
     def check(self) -> None:
         self.mgr.check_integrity()
         for req in self.live.values():
-            table = self.mgr.req_to_blocks[req.request_id]
+            table = self.mgr.req_to_blocks.get(req.request_id, [])
             for pos in range(req.num_computed_tokens):
                 assert self.slots[table[pos // BS].block_id][pos % BS] == req.all_token_ids[pos], \
                     (req.request_id, pos)

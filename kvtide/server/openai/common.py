@@ -10,14 +10,20 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtide.outputs import Logprob
 from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvtide.server.errors import OpenAIError, from_engine_error
+from kvtide.server.limits import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
-MAX_N = 128
-"""Most completions one request may ask for (n); more is refused with 400."""
+__all__ = ["MAX_N"]  # re-exported: it used to live here
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -28,6 +34,30 @@ class OpenAIBaseModel(BaseModel):
     clients send extras freely."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        """JSON may escape lone surrogates ("\\ud800"), which no tokenizer can encode: a 400 here,
+        not a TypeError (500) deep in the tokenizer (issue 7)."""
+        _check_unicode(value, info.field_name or "body")
+        return value
+
+
+def _check_unicode(value: Any, field: str | None) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field} holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}), which is "
+                             f"not valid Unicode") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item, field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, field)
+            _check_unicode(item, field)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -100,6 +130,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    _check_list_limits(request)
     logit_bias = None
     if request.logit_bias is not None:
         try:
@@ -128,6 +159,22 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias)
     except ValueError as e:
         raise from_engine_error(e) from e
+
+
+def _check_list_limits(request: SamplingRequest) -> None:
+    """The size limits of kvtide/server/limits.py on stop, stop_token_ids and logit_bias."""
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise OpenAIError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", 400, param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise OpenAIError(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters", 400,
+                          param="stop")
+    if request.stop_token_ids is not None and len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise OpenAIError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} entries, got "
+                          f"{len(request.stop_token_ids)}", 400, param="stop_token_ids")
+    if request.logit_bias is not None and len(request.logit_bias) > MAX_LOGIT_BIAS:
+        raise OpenAIError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(request.logit_bias)}", 400,
+                          param="logit_bias")
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from kvtide.server.limits import MAX_TOP_LOGPROBS
 from kvtide.server.openai.common import OpenAIBaseModel, SamplingRequest, UsageInfo
 
 
@@ -29,7 +30,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     """Alternatives per token (needs logprobs: true)."""
     add_generation_prompt: bool = True
     """End the rendered prompt with the assistant turn's opening (the template decides how)."""

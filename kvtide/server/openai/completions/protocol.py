@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from kvtide.server.limits import MAX_BEST_OF, MAX_TOP_LOGPROBS
 from kvtide.server.openai.common import NonNegInt, OpenAIBaseModel, SamplingRequest, UsageInfo
 
 PromptField = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
@@ -18,8 +19,8 @@ class CompletionRequest(SamplingRequest):
     """Not supported (refused with 400 when non-empty)."""
     echo: bool = False
     """Not supported (refused with 400 when true)."""
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_BEST_OF)] | None = None
     """Only best_of == n (the default) is supported."""
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to text prompts."""
