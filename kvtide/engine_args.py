@@ -56,7 +56,7 @@ class EngineArgs:
     device: str = "auto"
     """auto, cpu or cuda."""
     attention_backend: str = "auto"
-    """auto, torch or triton (auto: triton on CUDA, torch elsewhere)."""
+    """auto, torch, torch_ref (the slow reference) or triton (auto: triton on CUDA, torch elsewhere)."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA with the triton backend)."""
 
@@ -125,8 +125,8 @@ class EngineArgs:
 
             # Triton on CUDA; torch where Triton is not installed (it is optional).
             backend = "triton" if device == "cuda" and importlib.util.find_spec("triton") else "torch"
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {backend!r}")
+        if backend not in ("torch", "torch_ref", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, torch_ref or triton; got {backend!r}")
         config_dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") \
             else getattr(hf_config, "torch_dtype", None)
         dtype = resolve_dtype(self.dtype, config_dtype, device)

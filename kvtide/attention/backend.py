@@ -45,6 +45,15 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache; this layout unless a backend needs another."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] (copy-on-write after a fork)."""
+        kv_cache[:, dst] = kv_cache[:, src]
+
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -53,19 +62,25 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         """query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim), each query
-        attending to its request's cached context causally (and within the window)."""
+        attending to its request's cached context causally (and within the window). key/value are
+        this step's new K/V (already in the cache), which a backend may read instead of the cache."""
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Backends by name, imported lazily so CPU installs never import Triton."""
     if name == "torch":
-        from kvtide.attention.torch_ref import TorchAttentionBackend
+        from kvtide.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "torch_ref":
+        from kvtide.attention.torch_ref import TorchReferenceBackend
+
+        return TorchReferenceBackend()
     if name == "triton":
         from kvtide.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of auto, torch, triton; got {name!r}")
+    raise ValueError(f"attention_backend must be one of auto, torch, torch_ref, triton; got {name!r}")

@@ -1,4 +1,4 @@
-"""PyTorch attention over the paged KV cache: the CPU backend and the oracle for the others.
+"""PyTorch attention over the paged KV cache: the oracle every other backend is checked against.
 
 Decodes are computed together: their blocks are gathered into one (num_decodes, max_blocks *
 block_size) context, padding masked by seq_lens, and attended in one SDPA call. Prefill chunks are
@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from kvtide.attention.backend import AttentionBackend, AttentionMetadata
 
 
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+class TorchReferenceBackend(AttentionBackend):
+    """Straightforward and slow on purpose: every other backend is tested against this one."""
+
+    name = "torch_ref"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -26,7 +28,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes:

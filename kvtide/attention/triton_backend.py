@@ -24,7 +24,8 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                                metadata.block_tables, num_reqs=metadata.num_reqs,
                                max_query_len=metadata.max_query_len, scale=scale,

@@ -1,7 +1,7 @@
 """One streamed OpenAI /v1/completions request, timed chunk by chunk; and /metrics scraping.
 
-A request succeeds only if the server answered 200, streamed at least one token and ended the stream
-with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
+A request succeeds only if the server answered 200, streamed at least one token (a chunk with text, or
+an empty one before the end) and ended the stream with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
 dropped mid-stream, a stream that stops without [DONE]) is a failure with the reason kept in
 `RequestRecord.error` as 'kind: detail'.
 """
@@ -78,13 +78,13 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
                     usage_completion = usage.get("completion_tokens", usage_completion)
                     if usage.get("prompt_tokens"):
                         record.prompt_len = int(usage["prompt_tokens"])
-                for choice in chunk.get("choices") or []:
+                choices = chunk.get("choices") or []
+                if _carries_token(choices):
+                    record.chunk_times.append(now)
+                for choice in choices:
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
-                    text = choice.get("text") or ""
-                    if text:
-                        record.chunk_times.append(now)
-                        text_parts.append(text)
+                    text_parts.append(choice.get("text") or "")
     except (httpx.HTTPError, OSError) as e:
         record.error = f"dropped: {type(e).__name__}: {e}"[:300]
         return
@@ -98,9 +98,19 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
     if not saw_done:
         record.error = "no [DONE]: the stream ended early"
     elif not record.chunk_times:
-        record.error = "no tokens: the stream carried no text"
+        record.error = "no tokens: the stream carried no token"
     else:
         record.success = True
+
+
+def _carries_token(choices: list[dict]) -> bool:
+    """A chunk marks a token when it carries text, or when it is an empty chunk before the end (the
+    server produced a token whose text is held back, e.g. half of a UTF-8 character). An empty chunk
+    that only says finish_reason is the end, not a token."""
+    for choice in choices:
+        if choice.get("text") or choice.get("finish_reason") is None:
+            return True
+    return False
 
 
 async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:

@@ -3,7 +3,8 @@
 The bench checkpoint is a random Llama of ~125M parameters (hidden 768, 12 layers, 12 heads, 4 KV
 heads, intermediate 2048, vocab 32000, untied), float32, built once with
 `kvtide.models.demo.make_random_checkpoint` and cached under ~/.cache/kvtide/bench-models/ (or
-$KVTIDE_CACHE/bench-models/). Its tokenizer is the byte tokenizer, so the benchmarks feed token ids.
+$KVTIDE_CACHE/bench-models/). Its tokenizer is the byte tokenizer with every further id added as a
+token of its own ('<|t300|>'), so each generated token has text. Offline benchmarks feed token ids.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 
-BENCH_MODEL_VERSION = "v1"
+BENCH_MODEL_VERSION = "v2"
 BENCH_MODEL_CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                           intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
                           tie_word_embeddings=False)
@@ -39,6 +40,7 @@ def bench_model_path() -> str:
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     make_random_checkpoint(tmp, "LlamaForCausalLM", seed=BENCH_MODEL_SEED, **BENCH_MODEL_CONFIG)
+    _cover_vocabulary(tmp, BENCH_MODEL_CONFIG["vocab_size"])
     with open(os.path.join(tmp, "kvtide_bench_model.json"), "w") as f:
         json.dump({"version": BENCH_MODEL_VERSION, "config": BENCH_MODEL_CONFIG, "seed": BENCH_MODEL_SEED}, f)
     try:
@@ -46,6 +48,18 @@ def bench_model_path() -> str:
     except OSError:  # built concurrently by another process
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _cover_vocabulary(path: str, vocab_size: int) -> None:
+    """Give every id the byte tokenizer lacks a text of its own ('<|t300|>'), as a real tokenizer has.
+
+    The random model mostly emits ids above the 259 byte tokens; without this they decode to nothing,
+    servers stream empty chunks and text-based token timing sees no tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens([f"<|t{i}|>" for i in range(len(tokenizer), vocab_size)])
+    tokenizer.save_pretrained(path)
 
 
 def resolve_model(model: str | None) -> str:

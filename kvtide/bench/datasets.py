@@ -58,6 +58,9 @@ class PromptMaker:
     def _round_trip_pool(self, pool_size: int) -> np.ndarray:
         tok = self.tokenizer
         special = set(getattr(tok, "all_special_ids", []) or [])
+        # Added tokens are matched whole in text by some servers and not by others: keep to the base
+        # vocabulary.
+        special |= set((tok.get_added_vocab() if hasattr(tok, "get_added_vocab") else {}).values())
         vocab_size = len(tok)
         candidates = np.arange(vocab_size)
         if vocab_size > 4 * pool_size:  # deterministic subsample, independent of --seed

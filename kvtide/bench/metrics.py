@@ -7,8 +7,8 @@ One request, as the client sees it (times relative to when it was sent):
      |<------------------------------- E2E latency ----------------->|
                       TPOT = (E2E - TTFT) / (output_tokens - 1)
 
-- TTFT: time to the first streamed chunk that carries text.
-- ITL: the gap between successive text-carrying chunks (one value per gap, pooled over requests).
+- TTFT: time to the first streamed chunk that carries a token (text, or an empty chunk before the end).
+- ITL: the gap between successive token-carrying chunks (one value per gap, pooled over requests).
 - TPOT: per request, mean time per output token after the first; requests with one token have none.
 - E2E: send to end of stream.
 Throughputs divide by the benchmark's wall time (first send to last completion). Goodput counts only
@@ -39,11 +39,11 @@ class RequestRecord:
     start_time: float = 0.0
     """When the request was sent."""
     chunk_times: list[float] = field(default_factory=list)
-    """Arrival time of every chunk that carried text, in order."""
+    """Arrival time of every chunk that carried a token, in order."""
     end_time: float = 0.0
     """When the stream ended ([DONE] or its last byte)."""
     output_len: int = 0
-    """Output tokens (usage.completion_tokens when reported, else the number of text chunks)."""
+    """Output tokens (usage.completion_tokens when reported, else the number of token chunks)."""
     success: bool = False
     error: str = ""
     generated_text: str = ""

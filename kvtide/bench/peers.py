@@ -49,14 +49,28 @@ def peer_env(engine: str, threads: int, vllm_kv_cache_gib: float = 2.0) -> dict[
     return env
 
 
-# llama.cpp's converter recognizes a BPE tokenizer by the hash of how it splits a test text and refuses
-# unknown ones. kvtide's byte tokenizer (one token per byte, no merges) tokenizes the same under any
-# pre-tokenizer split, so an unknown one is declared as GPT-2's. Known tokenizers are left alone.
+# Two patches for kvtide's byte tokenizer (one token per byte, BPE without merges); checkpoints with
+# ordinary tokenizers are converted unchanged:
+# - llama.cpp's converter recognizes a BPE tokenizer by the hash of how it splits a test text and
+#   refuses unknown ones. A byte tokenizer tokenizes the same under any split: declare GPT-2's.
+# - llama.cpp refuses a BPE vocabulary without merges. Add one that never applies: two NUL bytes
+#   ("Ā" in the byte-level alphabet) to a token that is not in the vocabulary.
 _CONVERT_WRAPPER = """
 import os, runpy, sys
 script = sys.argv[1]
 sys.argv = [script] + sys.argv[2:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+here = os.path.dirname(os.path.abspath(script))
+sys.path.insert(0, here)
+if "NO_LOCAL_GGUF" not in os.environ:  # the converter's own gguf-py, as the converter itself picks it
+    sys.path.insert(1, os.path.join(here, "gguf-py"))
+import gguf
+original_add = gguf.SpecialVocab.add_to_gguf
+def add_to_gguf(self, gw, quiet=False):
+    if self.load_merges and not self.merges:
+        print("kvtide: BPE vocabulary without merges, adding an inert one", file=sys.stderr)
+        self.merges = ["\u0100 \u0100"]
+    return original_add(self, gw, quiet)
+gguf.SpecialVocab.add_to_gguf = add_to_gguf
 try:
     from conversion import base
     original = base.TextModel.get_vocab_base_pre

@@ -301,7 +301,10 @@ class EngineCoreClient:
             if kind == "utility_result":
                 self._resolve_call(message[1], message[2], message[3])
             elif kind == "fatal":
-                self.mark_dead(f"engine core failed: {message[1]}")
+                # The traceback goes to the log, not into every client's error message.
+                logger.error("engine core failed: %s", message[1])
+                first_line = str(message[1]).strip().splitlines()[0] if str(message[1]).strip() else "?"
+                self.mark_dead(f"engine core failed: {first_line}")
             else:
                 logger.error("unexpected engine message %r ignored", kind)
 

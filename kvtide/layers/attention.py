@@ -22,7 +22,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
-        """(2, num_blocks, block_size, num_kv_heads, head_dim), bound by the model runner."""
+        """Bound by the model runner, in the backend's layout (AttentionBackend.kv_cache_shape)."""
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -30,5 +30,5 @@ class Attention(nn.Module):
         """q (T, H, D), k and v (T, H_kv, D) -> (T, H * D)."""
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
         self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window)
+        out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -78,12 +78,13 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate each layer's (2, num_blocks, block_size, num_kv_heads, head_dim) cache (zeroed:
-        masked slots must hold finite values) and bind it to the layer."""
+        """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
+        finite values) and bind it to the layer."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
-                                dtype=self.config.model_config.dtype, device=self.device)
+            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
+                                                          attn.head_dim)
+            cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
             attn.kv_cache = cache
             attn.backend = self.attention_backend
             self.kv_caches.append(cache)
@@ -96,7 +97,7 @@ class ModelRunner:
         if so.block_copies:  # copy-on-write of blocks shared after a fork, before anything writes
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies))
             for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
+                self.attention_backend.copy_blocks(cache, src, dst)
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(so)

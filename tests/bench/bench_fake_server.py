@@ -24,7 +24,9 @@ class DroppedStream(Exception):
     pass
 
 
-def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s: float = 0.002) -> FastAPI:
+def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s: float = 0.002,
+             empty_chunks: bool = False) -> FastAPI:
+    """empty_chunks: every other token streams as an empty chunk, and a finish-only chunk ends."""
     app = FastAPI()
     state = {"count": 0, "queries": 0, "hits": 0, "preemptions": 0, "running": 0, "bodies": []}
     app.state.fake = state
@@ -71,10 +73,14 @@ def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s
                     await asyncio.sleep(token_delay_s)
                     if mode == 2 and i == n // 2:
                         raise DroppedStream("dropped on purpose")
+                    text = "" if empty_chunks and i % 2 else "x"
+                    last = i == n - 1 and not empty_chunks
                     chunk = {"id": f"cmpl-{k}", "object": "text_completion", "created": int(time.time()),
                              "model": body.get("model"),
-                             "choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                             "choices": [{"index": 0, "text": text, "finish_reason": "length" if last else None}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
+                if empty_chunks:
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}) + "\n\n"
                 if mode == 3:
                     return
                 if usage:

@@ -55,6 +55,18 @@ def test_ignore_eos_dropped_when_refused_and_rate_limited(tmp_path):
     assert result["request_rate"] == 200 and result["burstiness"] == 0.5
 
 
+def test_empty_chunks_are_tokens_finish_chunk_is_not(tmp_path):
+    app = make_app(faulty=False, empty_chunks=True)
+    with ServerThread(app) as server:
+        rc = kvtide_main(serve_argv(server.url, tmp_path, "--num-prompts", "3", "--input-len", "8",
+                                    "--output-len", "6", "--max-concurrency", "1"))
+    assert rc == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert result["completed"] == 3 and result["total_output_tokens"] == 18
+    for r in result["requests"]:
+        assert len(r["chunk_times"]) == 6 and r["generated_text"] == "xxx" and r["finish_reason"] == "length"
+
+
 def test_datasets_end_to_end(tmp_path):
     """shared-prefix, multi-turn (history grows) and a ShareGPT file, each deterministic in --seed."""
     app = make_app(faulty=False, token_delay_s=0.0)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvtide.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from kvtide.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvtide.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvtide.attention.triton_kernels import paged_attention, write_kv_cache  # noqa: E402
 
@@ -24,7 +24,7 @@ LONG_PREFILL = [(1, 40), (70, 9)]  # several q blocks in one request
 
 
 def _reference(batch, scale: float, window: int | None) -> torch.Tensor:
-    ref = TorchAttentionBackend()
+    ref = TorchReferenceBackend()
     cache = batch.kv_cache.clone()
     ref.write_kv(batch.key, batch.value, cache, batch.metadata.slot_mapping)
     return ref.forward(batch.query, cache, batch.metadata, scale, window)
@@ -42,7 +42,7 @@ def _triton(batch, scale: float, window: int | None) -> torch.Tensor:
 def test_write_kv_equals_reference(paged_batch, device, dtype, block_size):
     batch = paged_batch(MIXED, 4, 2, HEAD_DIM, block_size, dtype, device, seed=1)
     expected = batch.kv_cache.clone()
-    TorchAttentionBackend().write_kv(batch.key, batch.value, expected, batch.metadata.slot_mapping)
+    TorchReferenceBackend().write_kv(batch.key, batch.value, expected, batch.metadata.slot_mapping)
     actual = batch.kv_cache.clone()
     write_kv_cache(batch.key, batch.value, actual, batch.metadata.slot_mapping)
     assert torch.equal(actual, expected)
@@ -59,7 +59,7 @@ def test_write_kv_takes_strided_views_and_skips_padding(paged_batch, device):
     slots[1] = -1
     expected = batch.kv_cache.clone()
     keep = slots >= 0
-    TorchAttentionBackend().write_kv(key[keep], value[keep], expected, slots[keep])
+    TorchReferenceBackend().write_kv(key[keep], value[keep], expected, slots[keep])
     actual = batch.kv_cache.clone()
     write_kv_cache(key, value, actual, slots)
     assert torch.equal(actual, expected)
@@ -137,7 +137,7 @@ def test_padding_rows_of_a_decode_bucket(paged_batch, device, close):
     cache = batch.kv_cache.clone()
     write_kv_cache(key, value, cache, slots)
     reference_cache = batch.kv_cache.clone()
-    TorchAttentionBackend().write_kv(batch.key, batch.value, reference_cache, md.slot_mapping)
+    TorchReferenceBackend().write_kv(batch.key, batch.value, reference_cache, md.slot_mapping)
     assert torch.equal(cache, reference_cache)
     out = paged_attention(query, cache, query_start_loc, seq_lens, block_tables, num_reqs, 1, 0.2)
     close(out[:md.num_reqs], expected, torch.float32)

@@ -80,7 +80,7 @@ async def _faulted(server, num_streams: int, inject, probe_timeout_s: float = 1.
     /health answers 503; returns (seconds, the streams' events)."""
     async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers) as client:
         events = [asyncio.Event() for _ in range(num_streams)]
-        tasks = [asyncio.ensure_future(_stream(client, _body(f"stream {i} of the fault", 1500, ignore_eos=True), e))
+        tasks = [asyncio.ensure_future(_stream(client, _body(f"stream {i} of the fault", 220, ignore_eos=True), e))
                  for i, e in enumerate(events)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
         started = time.monotonic()
@@ -172,15 +172,19 @@ def test_exception_in_forward_pass(fault_server):
     trigger: dict = {}
 
     async def inject(client: httpx.AsyncClient) -> None:
-        trigger["task"] = asyncio.ensure_future(_stream(client, _body([0, 70, RAISE_TOKEN], 8)))
+        # Fails at its first step, before any output: a 503 before headers, not an event.
+        trigger["task"] = asyncio.ensure_future(client.post(CMPL, json=_body([0, 70, RAISE_TOKEN], 8), timeout=60))
 
     async def scenario():
         elapsed, streams = await _faulted(server, 4, inject)
         return elapsed, streams, await asyncio.wait_for(trigger["task"], 30)
 
-    elapsed, streams, trigger_events = asyncio.run(scenario())
-    for events in [*streams, trigger_events]:
-        _assert_error_then_done(events, "engine_dead")
+    elapsed, streams, trigger_response = asyncio.run(scenario())
+    for events in streams:
+        error = _assert_error_then_done(events, "engine_dead")
+        assert "InjectedFault" in error["message"] and "Traceback" not in error["message"], error
+    assert trigger_response.status_code == 503
+    assert check_error_body(trigger_response.json())["code"] == "engine_dead"
     assert "InjectedFault" in server.log()
     _assert_gone(server, children)
     _record("forward_exception", {"streams": 5, "seconds_to_unhealthy": round(elapsed, 3)})

@@ -1,0 +1,126 @@
+"""The fast PyTorch backend (CPU default): head-major paged cache, decode as two batched matmuls.
+
+Its cache layout differs from the reference's so a decode step copies the context once:
+
+    kv_cache: (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    decode:  blocks of all decoding requests gathered along dim 2 in one index_select
+             -> (2, H_kv, num_decodes, ctx, D): each (ctx, D) matrix is contiguous and the
+             (H_kv, num_decodes) batch dims merge, so q @ K^T and P @ V run as plain bmm with no
+             further copy. (SDPA on the reference layout needs the gather plus a transpose copy, and
+             its flash kernel is built for query blocks, not one query per request.)
+    prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
+             with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
+
+Checked against torch_ref.py on random mixed batches in tests/attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        _, num_kv_heads, _, _, head_dim = kv_cache.shape
+        # (H_kv, num_slots, D) views; key (T, H_kv, D) enters as (H_kv, T, D).
+        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        num_decodes = metadata.num_decodes
+        if num_decodes == metadata.num_reqs:
+            return self._decode(query, kv_cache, metadata, scale, sliding_window)
+        output = torch.empty_like(query)
+        if num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale,
+                                                sliding_window)
+        qsl = metadata.query_start_loc_cpu
+        for i in range(num_decodes, metadata.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            fresh = None if key is None or value is None else (key[start:end], value[start:end])
+            output[start:end] = self._prefill_one(query[start:end], kv_cache, metadata, i, scale,
+                                                  sliding_window, fresh)
+        return output
+
+    # ---- decodes -----------------------------------------------------------------------------
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                scale: float, window: int | None) -> torch.Tensor:
+        num_decodes, num_heads, head_dim = query.shape
+        _, num_kv_heads, num_blocks_total, block_size, _ = kv_cache.shape
+        block_ids, bias = self._decode_layout(md, window, query.dtype)
+        ctx = block_ids.shape[1] * block_size
+        kv = kv_cache.view(2, num_kv_heads, num_blocks_total, block_size * head_dim)
+        kv = kv.index_select(2, block_ids.flatten()).view(2, num_kv_heads, num_decodes, ctx, head_dim)
+        group = num_heads // num_kv_heads
+        # (num_decodes, H, D) -> (H_kv, num_decodes, group, D)
+        q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (H_kv, num_decodes, group, ctx)
+        scores = scores.float() + bias
+        probs = scores.softmax(dim=-1).to(query.dtype)
+        out = torch.matmul(probs, kv[1])  # (H_kv, num_decodes, group, D)
+        return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_layout(md: AttentionMetadata, window: int | None,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids covering the longest decode context, and an additive (num_decodes, 1, ctx)
+        float32 mask: 0 where a key is visible, -inf past the sequence or outside the window.
+        Built once per step and shared by every layer."""
+        cache_key = ("torch_decode_bias", window)
+        if cache_key not in md.backend_data:
+            seq_lens = md.seq_lens[:md.num_decodes]
+            max_len = max(md.seq_lens_cpu[:md.num_decodes])
+            num_blocks = -(-max_len // md.block_size)
+            block_ids = md.block_tables[:md.num_decodes, :num_blocks].to(torch.int64)
+            pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
+            visible = pos[None, :] < seq_lens[:, None]
+            if window is not None:
+                visible &= pos[None, :] > (seq_lens[:, None] - 1 - window)
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=seq_lens.device)
+            bias.masked_fill_(~visible, float("-inf"))
+            md.backend_data[cache_key] = (block_ids, bias[:, None, :])
+        return md.backend_data[cache_key]
+
+    # ---- prefill chunks ----------------------------------------------------------------------
+    def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
+                     scale: float, window: int | None,
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        q_len, num_heads, head_dim = query.shape
+        seq_len = md.seq_lens_cpu[i]
+        num_kv_heads = kv_cache.shape[1]
+        if fresh is not None and seq_len == q_len:
+            key, value = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)  # (H_kv, q_len, D)
+        else:
+            block_size = kv_cache.shape[3]
+            num_blocks = -(-seq_len // block_size)
+            block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
+            kv = kv_cache.index_select(2, block_ids).view(2, num_kv_heads, num_blocks * block_size, head_dim)
+            key, value = kv[0, :, :seq_len], kv[1, :, :seq_len]
+        mask = None
+        if seq_len != q_len or window is not None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=num_heads != num_kv_heads)
+        return out.squeeze(0).transpose(0, 1)
