@@ -51,12 +51,53 @@ class TorchAttentionBackend(AttentionBackend):
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale,
                                                 sliding_window)
         qsl = metadata.query_start_loc_cpu
-        for i in range(num_decodes, metadata.num_reqs):
-            start, end = qsl[i], qsl[i + 1]
+        for first, last in self._prefill_runs(metadata, key is not None and value is not None):
+            start, end = qsl[first], qsl[last + 1]
             fresh = None if key is None or value is None else (key[start:end], value[start:end])
-            output[start:end] = self._prefill_one(query[start:end], kv_cache, metadata, i, scale,
-                                                  sliding_window, fresh)
+            if last > first:
+                output[start:end] = self._prefill_run(query[start:end], fresh, last - first + 1, scale,  # type: ignore[arg-type]
+                                                      sliding_window)
+            else:
+                output[start:end] = self._prefill_one(query[start:end], kv_cache, metadata, first, scale,
+                                                      sliding_window, fresh)
         return output
+
+    @staticmethod
+    def _prefill_runs(md: AttentionMetadata, have_fresh: bool) -> list[tuple[int, int]]:
+        """Prefill requests as runs [first, last] of neighbours that can share one SDPA call:
+        same length and no cached prefix (their K/V are this step's, packed back to back). Any
+        other request is a run of one."""
+        qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        runs: list[tuple[int, int]] = []
+        for i in range(md.num_decodes, md.num_reqs):
+            q_len = qsl[i + 1] - qsl[i]
+            batchable = have_fresh and seq_lens[i] == q_len
+            if runs and batchable and runs[-1][1] == i - 1:
+                first = runs[-1][0]
+                if seq_lens[first] == qsl[first + 1] - qsl[first] == q_len:
+                    runs[-1] = (first, i)
+                    continue
+            runs.append((i, i))
+        return runs
+
+    @staticmethod
+    def _prefill_run(query: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], num: int, scale: float,
+                     window: int | None) -> torch.Tensor:
+        """`num` uncached prompts of equal length L in one causal SDPA over (num, H, L, D) views."""
+        total, num_heads, head_dim = query.shape
+        q_len = total // num
+        key, value = fresh
+        num_kv_heads = key.shape[1]
+        mask = None
+        if window is not None:
+            pos = torch.arange(q_len, device=query.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        out = F.scaled_dot_product_attention(
+            query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
+            key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
+            value.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
     # ---- decodes -----------------------------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
@@ -65,8 +106,9 @@ class TorchAttentionBackend(AttentionBackend):
         _, num_kv_heads, num_blocks_total, block_size, _ = kv_cache.shape
         block_ids, bias = self._decode_layout(md, window, query.dtype)
         ctx = block_ids.shape[1] * block_size
-        kv = kv_cache.view(2, num_kv_heads, num_blocks_total, block_size * head_dim)
-        kv = kv.index_select(2, block_ids.flatten()).view(2, num_kv_heads, num_decodes, ctx, head_dim)
+        # As 3-D (2 * H_kv, blocks, block_size * D), index_select takes its fast row-copy path.
+        kv = kv_cache.view(2 * num_kv_heads, num_blocks_total, block_size * head_dim)
+        kv = kv.index_select(1, block_ids.flatten()).view(2, num_kv_heads, num_decodes, ctx, head_dim)
         group = num_heads // num_kv_heads
         # (num_decodes, H, D) -> (H_kv, num_decodes, group, D)
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
@@ -110,7 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
             block_size = kv_cache.shape[3]
             num_blocks = -(-seq_len // block_size)
             block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
-            kv = kv_cache.index_select(2, block_ids).view(2, num_kv_heads, num_blocks * block_size, head_dim)
+            kv = kv_cache.view(2 * num_kv_heads, kv_cache.shape[2], block_size * head_dim)
+            kv = kv.index_select(1, block_ids).view(2, num_kv_heads, num_blocks * block_size, head_dim)
             key, value = kv[0, :, :seq_len], kv[1, :, :seq_len]
         mask = None
         if seq_len != q_len or window is not None:

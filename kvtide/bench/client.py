@@ -1,13 +1,14 @@
 """One streamed OpenAI /v1/completions request, timed chunk by chunk; and /metrics scraping.
 
 A request succeeds only if the server answered 200, streamed at least one token (a chunk with text, or
-an empty one before the end) and ended the stream with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
+an empty one before the end), gave a finish_reason and ended the stream with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
 dropped mid-stream, a stream that stops without [DONE]) is a failure with the reason kept in
 `RequestRecord.error` as 'kind: detail'.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -23,16 +24,18 @@ class PayloadOptions:
 
     ignore_eos: bool = True
     include_usage: bool = True
+    min_tokens: bool = False
+    """Also send min_tokens = max_tokens, for servers that accept but ignore ignore_eos
+    (llama-cpp-python's): EOS is then masked rather than ignored, so greedy tokens may differ."""
     temperature: float = 0.0
 
     def variants(self) -> list[PayloadOptions]:
-        """This, then with fewer extensions, for the warm-up probe."""
-        out = [self]
-        if self.include_usage:
-            out.append(PayloadOptions(self.ignore_eos, False, self.temperature))
-        if self.ignore_eos:
-            out.append(PayloadOptions(False, self.include_usage, self.temperature))
-            out.append(PayloadOptions(False, False, self.temperature))
+        """This, then every subset of its extensions, largest first, for the warm-up probe."""
+        wanted = [name for name in ("include_usage", "ignore_eos", "min_tokens") if getattr(self, name)]
+        out = []
+        for keep in range(len(wanted), -1, -1):
+            for kept in itertools.combinations(wanted, keep):
+                out.append(PayloadOptions(**{name: name in kept for name in wanted}, temperature=self.temperature))
         return out
 
 
@@ -41,6 +44,8 @@ def build_payload(model: str, prompt: str | list[int], max_tokens: int, options:
                      "temperature": options.temperature, "stream": True}
     if options.ignore_eos:
         payload["ignore_eos"] = True
+    if options.min_tokens:
+        payload["min_tokens"] = max_tokens
     if options.include_usage:
         payload["stream_options"] = {"include_usage": True}
     return payload
@@ -99,6 +104,8 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
         record.error = "no [DONE]: the stream ended early"
     elif not record.chunk_times:
         record.error = "no tokens: the stream carried no token"
+    elif record.finish_reason is None:  # e.g. llama-cpp-python's server cutting a stream for a new request
+        record.error = "no finish_reason: the stream was cut short"
     else:
         record.success = True
 

@@ -110,6 +110,11 @@ def format_table(summary: dict) -> str:
         state = f"{version}ready in {info['startup_s']:.1f} s" if info.get("ok") else \
             f"skipped: {info.get('error', '')[:300]}"
         lines.append(f"{engine}: {state}")
+    for engine, results in summary["raw"].get("serve", {}).items():
+        short = sum(r.get("num_short_outputs") or 0 for r in results)
+        if short:
+            lines.append(f"{engine}: WARNING {short} serve outputs ended before max_tokens (EOS not ignored): "
+                         f"its token rates are not comparable")
     for engine, agree in summary.get("greedy_agreement", {}).items():
         lines.append(f"{engine}: greedy tokens identical to kvtide's for {agree['identical']}/{agree['of']} requests "
                      f"(mean common prefix {agree['mean_common_prefix']:.1f})")
@@ -270,7 +275,7 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
                 output_len=args.output_len, random_input_len=args.input_len, random_output_len=args.output_len,
                 random_range_ratio=0.0, request_rate=args.request_rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, num_warmups=1, seed=args.seed, temperature=0.0,
-                ignore_eos=True, goodput=None, metric_percentiles="90,99,99.9", request_timeout=600.0,
+                ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=None, metric_percentiles="90,99,99.9", request_timeout=600.0,
                 disable_tqdm=True, metrics_interval=0.5)
             try:
                 result = asyncio.run(run_serve_benchmark(ns, tokenizer=tokenizer))

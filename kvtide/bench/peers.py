@@ -196,7 +196,9 @@ def _server_command(engine: str, python: str, model_dir: str, port: int, max_mod
     if engine == "llamacpp":
         assert gguf is not None
         return [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-                "--n_ctx", str(max_model_len), "--n_threads", str(threads), "--n_threads_batch", str(threads)]
+                "--n_ctx", str(max_model_len), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                # By default a new request cuts the stream in progress; queue them instead.
+                "--interrupt_requests", "False"]
     raise ValueError(f"no server command for engine {engine!r}")
 
 

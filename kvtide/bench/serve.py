@@ -59,6 +59,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not ask the server to ignore EOS (asked by default where accepted)")
+    parser.add_argument("--send-min-tokens", action="store_true",
+                        help="also send min_tokens = max_tokens, for servers that ignore ignore_eos "
+                             "(llama-cpp-python's server)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2el)")
     parser.add_argument("--metric-percentiles", default="90,99,99.9",
@@ -147,7 +150,8 @@ async def warm_up(args, http: httpx.AsyncClient, model: str, tokenizer, maker_te
                   ) -> oai.PayloadOptions:
     """Send --num-warmups (at least one) requests; return the payload options the server accepted."""
     url = args.base_url.rstrip("/") + args.endpoint
-    wanted = oai.PayloadOptions(ignore_eos=args.ignore_eos, temperature=args.temperature)
+    wanted = oai.PayloadOptions(ignore_eos=args.ignore_eos, temperature=args.temperature,
+                                min_tokens=getattr(args, "send_min_tokens", False))
     last_error = ""
     for options in wanted.variants():
         record = RequestRecord(prompt_len=0, expected_output_len=8)
@@ -216,6 +220,7 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "ignore_eos": options.ignore_eos, "usage_reported": options.include_usage,
+        "min_tokens_sent": options.min_tokens,
     })
     result["_records"] = run.records
     result["_t0"] = t0

@@ -65,3 +65,15 @@ def test_copy_blocks_copies_whole_blocks_in_its_layout():
     assert torch.equal(cache[:, :, 3], before[:, :, 1]) and torch.equal(cache[:, :, 0], before[:, :, 4])
     untouched = [1, 2, 4, 5]
     assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_equal_length_prompts_batched_in_one_call_equal_reference(window):
+    """Runs of uncached prompts of one length share an SDPA call; mixed with a cached prefix and
+    other lengths around them."""
+    requests = [(1, 9), (12, 0), (12, 0), (12, 0), (7, 0), (12, 5), (12, 0), (12, 0)]
+    batch = make_paged_batch(requests, 8, 2, 16, 4, torch.float32, seed=3)
+    runs = TorchAttentionBackend._prefill_runs(batch.metadata, have_fresh=True)
+    assert any(last > first for first, last in runs)
+    expected, actual, _, _ = run_both(batch, 0.25, window, pass_fresh=True)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])

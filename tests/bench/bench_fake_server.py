@@ -2,6 +2,7 @@
 
 Request k (counted from 0, the warm-up included) behaves by k % 6 when `faulty`:
   1 -> HTTP 500;  2 -> the connection drops mid-stream;  3 -> the stream ends without [DONE];
+  4 -> [DONE] after one token but no finish_reason (a stream cut short);
   anything else -> `max_tokens` one-character chunks, `token_delay_s` apart, usage, [DONE].
 /metrics exposes kvtide: counters: every successful request adds its prompt length to
 prefix_cache_queries and half of it to prefix_cache_hits; every 500 adds one preemption.
@@ -71,6 +72,9 @@ def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s
             try:
                 for i in range(n):
                     await asyncio.sleep(token_delay_s)
+                    if mode == 4 and i == 1:
+                        yield "data: [DONE]\n\n"
+                        return
                     if mode == 2 and i == n // 2:
                         raise DroppedStream("dropped on purpose")
                     text = "" if empty_chunks and i % 2 else "x"

@@ -28,6 +28,13 @@ def test_bench_serve_against_kvtide_serve(llama_dir, tmp_path):
                           "--disable-tqdm", "--output-json", str(out)])
         assert rc == 0
         result = json.loads(out.read_text())
+        # `bench compare`'s serve workload against the same live server, given by URL.
+        compare_out = tmp_path / "compare.json"
+        assert kvtide_main(["bench", "compare", "--model", llama_dir, "--engines", "kvtide,hf", "--workloads",
+                            "serve", "--kvtide-url", server.url, "--repeats", "2", "--num-prompts", "3",
+                            "--input-len", "8", "--output-len", "3", "--pause", "0",
+                            "--output-json", str(compare_out)]) == 0
+        summary = json.loads(compare_out.read_text())
     finally:
         server.close()
     assert result["completed"] == 6 and result["failed"] == 0
@@ -36,3 +43,6 @@ def test_bench_serve_against_kvtide_serve(llama_dir, tmp_path):
     # Two prefixes of 48 tokens over six requests: at least the later ones hit the prefix cache.
     assert result["prefix_cache_hit_rate"] is not None and result["prefix_cache_hit_rate"] > 0.2
     assert result["num_preemptions"] == 0
+    serve = summary["figures"]["serve"]["output_throughput"]["kvtide"]
+    assert len(serve["values"]) == 2 and serve["ratio_median"] == 1.0
+    assert summary["engines"]["hf-server"]["ok"] is False  # HF has no server: reported, not fatal

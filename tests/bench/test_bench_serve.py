@@ -23,13 +23,13 @@ def test_faulty_server_failures_counted(tmp_path, capsys):
                                     "--goodput", "ttft:10000", "tpot:10000"))
     assert rc == 0
     result = json.loads((tmp_path / "serve.json").read_text())
-    # Requests 1..12 after the warm-up (0): k % 6 in {1, 2, 3} fail -> 6 of 12.
-    assert result["completed"] == 6 and result["failed"] == 6
+    # Requests 1..12 after the warm-up (0): k % 6 in {1, 2, 3, 4} fail -> 8 of 12.
+    assert result["completed"] == 4 and result["failed"] == 8
     kinds = result["errors"]
-    assert kinds.get("http 500") == 2 and kinds.get("dropped") == 2 and kinds.get("no [DONE]") == 2
-    assert result["total_output_tokens"] == 6 * 6 and result["num_short_outputs"] == 0
+    assert kinds == {"http 500": 2, "dropped": 2, "no [DONE]": 2, "no finish_reason": 2}
+    assert result["total_output_tokens"] == 4 * 6 and result["num_short_outputs"] == 0
     assert {r["finish_reason"] for r in result["requests"] if r["success"]} == {"length"}
-    assert result["good_requests"] == 6
+    assert result["good_requests"] == 4
     # Only successful requests have latencies, and they are real (2 ms per token on the fake).
     assert result["median_tpot_ms"] >= 1.5 and result["mean_ttft_ms"] >= 1.5
     assert result["prefix_cache_hit_rate"] == pytest.approx(0.5, abs=0.05)
@@ -47,11 +47,14 @@ def test_ignore_eos_dropped_when_refused_and_rate_limited(tmp_path):
     app = make_app(faulty=False, reject_ignore_eos=True)
     with ServerThread(app) as server:
         rc = kvtide_main(serve_argv(server.url, tmp_path, "--num-prompts", "6", "--random-input-len", "8",
-                                    "--random-output-len", "4", "--request-rate", "200", "--burstiness", "0.5"))
+                                    "--random-output-len", "4", "--request-rate", "200", "--burstiness", "0.5",
+                                    "--send-min-tokens"))
     assert rc == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     assert result["completed"] == 6 and result["failed"] == 0
-    assert result["ignore_eos"] is False
+    assert result["ignore_eos"] is False and result["min_tokens_sent"] is True
+    body = app.state.fake["bodies"][-1]
+    assert "ignore_eos" not in body and body["min_tokens"] == 4 and body["stream_options"]["include_usage"]
     assert result["request_rate"] == 200 and result["burstiness"] == 0.5
 
 

@@ -261,6 +261,17 @@ def test_header_far_past_every_limit(fuzz_server):
     assert httpx.get(fuzz_server.url("/health"), timeout=10).status_code == 200
 
 
+def test_sse_events_stay_one_line():
+    """Found by the load test: sampled text held U+0085, which json.dumps leaves raw and
+    str.splitlines() (httpx's aiter_lines) breaks on, splitting one event in two."""
+    from kvtide.server.openai.common import sse
+
+    text = "a\u2028b\x85c\u2029d\ne\rf\x0bg\x1ch"
+    event = sse({"choices": [{"text": text}]})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):])["choices"][0]["text"] == text
+
+
 # ---- schemathesis --------------------------------------------------------------------------------
 FUZZ_EXAMPLES = int(os.environ.get("KVTIDE_SCHEMA_FUZZ_EXAMPLES", "40"))
 _BOUNDS = {"n": 2, "best_of": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 2, "logprobs": 2,

@@ -105,6 +105,8 @@ async def _one_request(client: httpx.AsyncClient, rng: random.Random, index: int
             out.hung = True
     except httpx.TransportError as e:
         out.transport_error = f"{type(e).__name__}: {e}"
+    except Exception as e:  # e.g. an event that is not JSON: counted as lost, the run goes on
+        out.transport_error = f"{type(e).__name__}: {e}"
     return out
 
 

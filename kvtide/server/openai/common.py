@@ -197,8 +197,14 @@ def safe_float(value: float) -> float:
 
 
 # ---- streaming -----------------------------------------------------------------------------------
+_LINE_BREAKS_IN_JSON = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+"""Characters json.dumps leaves raw that str.splitlines() (and so many SSE clients, httpx's
+aiter_lines among them) treat as line ends: escaped, an event stays one line (issue 7)."""
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False).translate(_LINE_BREAKS_IN_JSON)
+    return f"data: {data}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
