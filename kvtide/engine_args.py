@@ -11,8 +11,15 @@ import dataclasses
 import os
 from dataclasses import dataclass, fields
 
-from kvtide.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                           parse_size, resolve_dtype)
+from kvtide.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+    resolve_dtype,
+)
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -183,7 +190,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and \
                 isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
             docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]

@@ -42,14 +42,14 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         # Validate everything before queueing anything.
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params in zip(prompt_list, params_list, strict=True):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
             processed = self.engine.input_processor.process_prompt(prompt)
             self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
         ids: list[str] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 request_id = self.engine.next_request_id()
                 self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
                 ids.append(request_id)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from kvtide.engine.request import EngineCoreRequest
 from kvtide.sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass

@@ -142,7 +142,7 @@ class OutputProcessor:
             return False
         seq.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and seq.cumulative_logprob is not None:
-            for token_id, (lp, rank, top_ids, top_lps) in zip(out.new_token_ids, out.new_logprobs):
+            for token_id, (lp, rank, top_ids, top_lps) in zip(out.new_token_ids, out.new_logprobs, strict=True):
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._logprob_dict(token_id, lp, rank, top_ids, top_lps))
                 seq.cumulative_logprob += lp
@@ -158,7 +158,7 @@ class OutputProcessor:
     def _logprob_dict(self, token_id: int, lp: float, rank: int, top_ids: list[int],
                       top_lps: list[float]) -> dict[int, Logprob]:
         entry = {token_id: Logprob(lp, rank, self._decode_one(token_id))}
-        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
             if tid not in entry:
                 entry[tid] = Logprob(tlp, r, self._decode_one(tid))
         return entry

@@ -15,8 +15,12 @@ from kvtide.attention.backend import AttentionMetadata
 from kvtide.layers.activation import SiluAndMul
 from kvtide.layers.attention import Attention
 from kvtide.layers.embedding import LMHead, VocabEmbedding
-from kvtide.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                  default_weight_loader)
+from kvtide.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from kvtide.layers.norm import RMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
 

@@ -44,10 +44,10 @@ class SamplingMetadata:
     def build(cls, rows: list[RowState], vocab_size: int, device: torch.device | str = "cpu") -> SamplingMetadata:
         types = [r.params.sampling_type for r in rows]
         greedy = [t == SamplingType.GREEDY for t in types]
-        temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+        temperature = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
                                    dtype=torch.float32, device=device)
         top_k = top_p = min_p = None
-        random_rows = [r for g, r in zip(greedy, rows) if not g]
+        random_rows = [r for g, r in zip(greedy, rows, strict=True) if not g]
         if any(r.params.top_k > 0 for r in random_rows):
             top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab_size for r in rows],
                                  dtype=torch.int64, device=device)

@@ -24,8 +24,13 @@ from kvtide.config import CacheConfig, SchedulerConfig
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import Request, RequestStatus
 from kvtide.kv_cache.manager import KVCacheManager, cdiv
-from kvtide.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                     SchedulerOutput, TopLogprobs)
+from kvtide.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TopLogprobs,
+)
 
 
 class WaitingQueue:

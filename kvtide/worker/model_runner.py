@@ -95,7 +95,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.block_copies:  # copy-on-write of blocks shared after a fork, before anything writes
-            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies))
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies, strict=True))
             for cache in self.kv_caches:
                 self.attention_backend.copy_blocks(cache, src, dst)
         if so.is_empty:

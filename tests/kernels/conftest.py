@@ -29,7 +29,6 @@ import sys
 import pytest
 import torch
 
-
 DEVICE = os.environ.get("KVTIDE_TEST_DEVICE", "cpu")
 TRITON_MODULES = ("kvtide.attention.triton_kernels", "kvtide.layers.triton_ops")
 HERE = pathlib.Path(__file__).resolve().parent
