@@ -44,3 +44,13 @@ def test_no_pickle_on_any_channel():
     hits = [f"{p.relative_to(PKG)}: {word}" for p in PKG.rglob("*.py") for word in forbidden
             if word in p.read_text()]
     assert hits == []
+
+
+def test_ruff_is_clean():
+    import subprocess
+    import sys
+
+    root = PKG.parent
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "kvtide", "tests"], cwd=root,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -56,6 +56,10 @@ class InputProcessor:
                 raise ValueError("prompt: 'prompt' must be a string")
             if text == "":
                 raise ValueError("prompt must not be empty")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text ({e.reason} at position {e.start})") from e
             if self.tokenizer is None:
                 raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -169,3 +169,9 @@ def test_unknown_architecture(llama_dir, tmp_path):
         LLM(model=str(model_dir), kv_cache_memory="32MiB", max_model_len=256)
     message = str(info.value)
     assert "NotARealModelForCausalLM" in message and "LlamaForCausalLM" in message
+
+
+def test_lone_surrogate_prompt_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate("abc\ud800def", SamplingParams(max_tokens=2))
+    assert not llm.engine.output_processor.requests
