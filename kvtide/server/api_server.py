@@ -99,11 +99,19 @@ def build_app(state: ServerState) -> Any:
         await get_state(raw_request).engine.check_integrity()
         return JSONResponse({"ok": True})
 
+    if state.settings.enable_admin_api:
+        _add_admin_routes(app)
+    return ServerGuardMiddleware(app, state)
+
+
+def _add_admin_routes(app: FastAPI) -> None:
+    """Routes that change server-wide state: only with --enable-admin-api (404 otherwise), and
+    behind --api-key like every other route."""
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw_request: Request) -> JSONResponse:
+        """Forget every cached prefix; refused ("reset": false) while requests hold blocks."""
         return JSONResponse({"reset": await get_state(raw_request).engine.reset_prefix_cache()})
-
-    return ServerGuardMiddleware(app, state)
 
 
 class _UvicornServer(uvicorn.Server):

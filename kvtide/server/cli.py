@@ -45,6 +45,9 @@ def register(subparsers) -> None:
                    help="seconds the engine core may stay silent (a stopped or wedged process) before "
                         "it is declared dead: requests in flight fail, /health turns 503, the server "
                         "exits; must exceed the longest step; 0 disables")
+    p.add_argument("--enable-admin-api", action="store_true",
+                   help="serve admin routes (POST /reset_prefix_cache); without it they are 404. "
+                        "They need the API key like every route: set --api-key too")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -74,9 +77,12 @@ def run_serve(args: argparse.Namespace) -> int:
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
                               chat_template=_read_chat_template(args.chat_template),
                               max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
-                              engine_timeout=args.engine_timeout)
+                              engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.enable_admin_api and settings.api_key is None:
+        logging.getLogger("kvtide.server").warning(
+            "--enable-admin-api without --api-key: anyone who reaches this port can reset the prefix cache")
     os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
     exit_code = run_server(engine_args, settings, args.host, args.port, args.log_level)
     # Everything is stopped and flushed; the interpreter's teardown of torch and transformers

@@ -35,6 +35,7 @@ _PARAM_NAMES = {
     "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop",
     "stop_token_ids", "logit_bias", "prompt", "prompt_token_ids", "messages", "top_logprobs",
+    "use_beam_search", "beam_width", "length_penalty", "early_stopping", "cache_salt",
 }
 
 

@@ -3,6 +3,11 @@
 Latencies are observed in the API process as outputs arrive (AsyncLLM calls the StatLogger
 methods); engine gauges and counters (running, waiting, KV usage, preemptions, prefix cache) are
 read from the engine core's SchedulerStats on every scrape.
+
+KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
+
+    kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
+                            prefix: reused on a hit, evicted LRU when room is needed) + empty
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
+                                           "Prefix-cache hits / queries in tokens since start (0..1).")
+        self.kv_blocks_in_use = gauge("kv_cache_blocks_in_use", "KV blocks held by live requests.")
+        self.kv_blocks_evictable = gauge("kv_cache_blocks_evictable",
+                                         "Free KV blocks that still hold a cached prefix (evicted only "
+                                         "when room is needed).")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
         self._finished = Counter("kvtide:request_success", "Finished requests, by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._last_stats = SchedulerStats()
@@ -86,6 +98,11 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_in_use.set(stats.num_used_blocks)
+        self.kv_blocks_evictable.set(stats.num_evictable_blocks)
+        self.kv_blocks_total.set(stats.num_blocks)
+        queries = stats.prefix_cache_queries
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
         last = self._last_stats
         for counter, new, old in ((self.preemptions, stats.num_preemptions, last.num_preemptions),
                                   (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),

@@ -31,6 +31,8 @@ class ServerSettings:
     """Seconds SIGTERM waits for requests in flight; those still running then end with an error."""
     engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S
     """Watchdog: an engine core silent this many seconds is declared dead (0: never)."""
+    enable_admin_api: bool = False
+    """Serve the admin routes (POST /reset_prefix_cache); off, they are 404. --api-key still applies."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from serve_helpers import API_KEY, pid_alive, start_server, wait_ready
 LONG_MODEL_LEN = "2048"
 # --max-num-seqs also bounds the CPU KV cache these servers allocate (max_num_seqs * max_model_len).
 SERVER_FLAGS = {
-    "server": ["--max-num-seqs", "40"],
+    "server": ["--max-num-seqs", "40", "--enable-admin-api"],
     "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120"],
     "small_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "1", "--max-waiting-requests", "1"],
 }

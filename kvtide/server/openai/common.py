@@ -64,15 +64,22 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (RequestOutput.num_cached_tokens)."""
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -101,6 +108,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[NonNegInt] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    """Prefix-cache tenant key: requests with different salts never share cached KV."""
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -156,7 +165,8 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias)
+            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
+            cache_salt=request.cache_salt)
     except ValueError as e:
         raise from_engine_error(e) from e
 

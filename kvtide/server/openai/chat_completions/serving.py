@@ -156,7 +156,9 @@ class ChatServing:
     async def _collect(self, stream: AsyncIterator[tuple[int, RequestOutput]], request: ChatCompletionRequest,
                        response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
+        cached_tokens = 0
         async for _, output in stream:
+            cached_tokens = output.num_cached_tokens
             for completion in output.outputs:
                 choice = choices.setdefault(completion.index, _Choice())
                 choice.text.append(completion.text)
@@ -171,7 +173,7 @@ class ChatServing:
                 index=i, message=ChatResponseMessage(content="".join(c.text)),
                 logprobs=ChatChoiceLogprobs(content=c.logprobs) if request.logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in sorted(choices.items())],
-            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values())))
+            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()), cached_tokens))
         return response.model_dump()
 
     # ---- streamed --------------------------------------------------------------------------
@@ -188,11 +190,13 @@ class ChatServing:
             return sse(body)
 
         num_completion_tokens = 0
+        cached_tokens = 0
         try:
             # The first chunk of every choice carries the role.
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(request.n)])
             async for _, output in outputs:
+                cached_tokens = output.num_cached_tokens
                 choices = []
                 for completion in output.outputs:
                     num_completion_tokens += len(completion.token_ids)
@@ -207,7 +211,8 @@ class ChatServing:
                 yield chunk(choices)
             if include_usage:
                 yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens).model_dump()})
+                           "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens,
+                                                                cached_tokens).model_dump()})
         except Exception as e:
             yield sse(from_engine_error(e).body())
         finally:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kvtide.server.limits import MAX_BEST_OF, MAX_TOP_LOGPROBS
+from kvtide.server.limits import MAX_BEST_OF, MAX_N, MAX_TOP_LOGPROBS
 from kvtide.server.openai.common import NonNegInt, OpenAIBaseModel, SamplingRequest, UsageInfo
 
 PromptField = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
@@ -24,6 +24,14 @@ class CompletionRequest(SamplingRequest):
     """Only best_of == n (the default) is supported."""
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to text prompts."""
+    # Beam search (vLLM's extras): n is the beam width and every beam comes back, best first.
+    use_beam_search: bool = False
+    beam_width: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    """kvtide's extra: search this many beams (>= n) and return the n best (default: n)."""
+    length_penalty: Annotated[float, Field(ge=-1e6, le=1e6)] = 1.0
+    """A finished beam scores cumulative_logprob / generated_len ** length_penalty."""
+    early_stopping: bool | Literal["never"] = False
+    """HF's rule: True stops once beam_width beams finished; False when none can improve; "never"."""
 
 
 class CompletionLogprobs(OpenAIBaseModel):

@@ -1,7 +1,8 @@
 """/v1/completions: prompts -> engine requests -> one JSON response or an SSE stream.
 
 Each prompt of the request is one engine request (n samples each); choice index is
-prompt_index * n + sample index, as OpenAI numbers them.
+prompt_index * n + sample index, as OpenAI numbers them. With use_beam_search (non-streamed only)
+the n samples are the n best beams, best first, exactly as offline `LLM.beam_search` returns them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtide.outputs import CompletionOutput, RequestOutput
+from kvtide.sampling_params import SamplingParams
 from kvtide.server.errors import OpenAIError, from_engine_error, from_value_error
 from kvtide.server.openai.common import (
     SSE_DONE,
@@ -67,6 +69,8 @@ class CompletionServing:
         params = [build_sampling_params(
             request, resolve_max_tokens(request.max_tokens, len(ids), state.max_model_len, "prompt"),
             request.logprobs) for ids in prompt_ids]
+        if request.use_beam_search:
+            params = [_beam_search_params(request, p) for p in params]
         response_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [state.engine.generate({"prompt_token_ids": ids}, p, f"{response_id}-{i}", request.priority)
                    for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=False))]
@@ -96,12 +100,17 @@ class CompletionServing:
             raise OpenAIError("suffix is not supported", 400, param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of other than n is not supported", 400, param="best_of")
+        if request.use_beam_search and request.stream:
+            raise OpenAIError("use_beam_search does not support stream=true: the beams are known only when "
+                              "the search ends; send stream=false", 400, param="stream")
 
     # ---- non-streamed ----------------------------------------------------------------------
     async def _collect(self, merged: AsyncIterator[tuple[int, RequestOutput]], request: CompletionRequest,
                        response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
+        cached_tokens: dict[int, int] = {}
         async for prompt_index, output in merged:
+            cached_tokens[prompt_index] = output.num_cached_tokens
             for completion in output.outputs:
                 choice = choices.setdefault(prompt_index * request.n + completion.index, _Choice())
                 choice.text.append(completion.text)
@@ -116,7 +125,8 @@ class CompletionServing:
             choices=[CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for i, c in sorted(choices.items())],
-            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values())))
+            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()),
+                               sum(cached_tokens.values())))
         return response.model_dump()
 
     def _logprobs(self, completion: CompletionOutput, k: int, into: CompletionLogprobs | None,
@@ -139,9 +149,11 @@ class CompletionServing:
         created = int(time.time())
         include_usage = request.include_usage_in_stream()
         num_completion_tokens = 0
+        cached_tokens: dict[int, int] = {}
         logprobs_state: dict[int, CompletionLogprobs] = {}
         try:
             async for prompt_index, output in outputs:
+                cached_tokens[prompt_index] = output.num_cached_tokens
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * request.n + completion.index
@@ -165,7 +177,8 @@ class CompletionServing:
                 yield sse(chunk)
             if include_usage:
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens).model_dump()})
+                           "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens,
+                                                                sum(cached_tokens.values())).model_dump()})
         except Exception as e:
             yield sse(from_engine_error(e).body())
         finally:
@@ -173,6 +186,29 @@ class CompletionServing:
             if aclose is not None:
                 await aclose()
         yield SSE_DONE
+
+
+_NEUTRAL_SAMPLING = (("temperature", 0.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0))
+"""Sampling knobs beam search ignores, with the one value each may take along with it."""
+
+
+def _beam_search_params(request: CompletionRequest, params: SamplingParams) -> SamplingParams:
+    """vLLM's convention: n is the beam width and all n beams come back; kvtide's beam_width may
+    widen the search (the n best of beam_width beams come back). The search is deterministic, as
+    HF's is: a sampling knob set to anything that would change it is refused, not ignored."""
+    for name, neutral in _NEUTRAL_SAMPLING:
+        value = getattr(request, name)
+        if value is not None and value != neutral:
+            raise OpenAIError(f"{name}={value!r} does not apply to use_beam_search (a deterministic search); "
+                              f"omit it or send {neutral!r}", 400, param=name)
+    if request.beam_width is not None and request.beam_width < request.n:
+        raise OpenAIError(f"beam_width ({request.beam_width}) must be >= n ({request.n}): the n best of "
+                          f"beam_width beams are returned", 400, param="beam_width")
+    try:
+        return params.clone(use_beam_search=True, beam_width=request.beam_width, temperature=0.0,
+                            length_penalty=request.length_penalty, early_stopping=request.early_stopping)
+    except ValueError as e:
+        raise from_engine_error(e) from e
 
 
 def _top_dict(token_text, entry, k: int) -> dict[str, float]:
