@@ -129,8 +129,8 @@ def test_model_with_triton_ops_and_backend_equals_torch(checkpoint_factory, devi
             assert use_triton_ops(model) > 0
             assert type(model.layers[0].self_attn.rotary_emb) is TritonRotaryEmbedding
         for attn in model.attention_layers():
-            attn.kv_cache = torch.zeros(2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
-                                        device=device)
+            shape = backend.kv_cache_shape(num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.kv_cache = torch.zeros(shape, device=device)
             attn.backend = backend
         tables = [[3, 7, 1], [5, 0, 2]]
         outs = []
