@@ -36,6 +36,9 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    row_uids: list[int] = field(default_factory=list)
+    """Per request row, an id unique to that request's life in the runner: a row with the same uid
+    as in the previous step is the same sequence, one token longer (a backend may keep state)."""
     backend_data: dict = field(default_factory=dict)
     """Per-step tensors a backend derives once and reuses in every layer."""
 

@@ -12,10 +12,18 @@ Its cache layout differs from the reference's so a decode step copies the contex
     prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
              with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
 
+Decode mirror: a decode batch usually comes back next step unchanged but one token longer. So
+each layer keeps its last gathered context (with headroom) and, while the rows match (same
+`row_uids`, each seq_len one more), only writes the new token into it: the context is then read
+once per step, not gathered, written and read again. Any change in the batch rebuilds it with one
+gather. Its memory is bounded per layer (MIRROR_MAX_BYTES); past that the plain gather is used.
+
 Checked against torch_ref.py on random mixed batches in tests/attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +31,26 @@ import torch.nn.functional as F
 from kvtide.attention.backend import AttentionBackend, AttentionMetadata
 
 
+MIRROR_MAX_BYTES = 96 << 20
+"""Largest decode mirror kept for one layer."""
+MIRROR_HEADROOM_TOKENS = 256
+"""Context growth a mirror absorbs before it is rebuilt larger."""
+
+
+@dataclass
+class _DecodeMirror:
+    buf: torch.Tensor
+    """(2, H_kv, num_decodes, capacity, D): each decode row's context, contiguous."""
+    row_uids: list[int]
+    seq_lens: list[int]
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self._mirrors: dict[int, _DecodeMirror] = {}
+        """Per layer (keyed by its cache's data pointer)."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -44,12 +70,13 @@ class TorchAttentionBackend(AttentionBackend):
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes = metadata.num_decodes
+        new_kv = None if key is None or value is None else (key[:num_decodes], value[:num_decodes])
         if num_decodes == metadata.num_reqs:
-            return self._decode(query, kv_cache, metadata, scale, sliding_window)
+            return self._decode(query, kv_cache, metadata, scale, sliding_window, new_kv)
         output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale,
-                                                sliding_window)
+                                                sliding_window, new_kv)
         qsl = metadata.query_start_loc_cpu
         for first, last in self._prefill_runs(metadata, key is not None and value is not None):
             start, end = qsl[first], qsl[last + 1]
@@ -101,14 +128,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---- decodes -----------------------------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
+                scale: float, window: int | None,
+                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
-        _, num_kv_heads, num_blocks_total, block_size, _ = kv_cache.shape
+        num_kv_heads = kv_cache.shape[1]
         block_ids, bias = self._decode_layout(md, window, query.dtype)
-        ctx = block_ids.shape[1] * block_size
-        # As 3-D (2 * H_kv, blocks, block_size * D), index_select takes its fast row-copy path.
-        kv = kv_cache.view(2 * num_kv_heads, num_blocks_total, block_size * head_dim)
-        kv = kv.index_select(1, block_ids.flatten()).view(2, num_kv_heads, num_decodes, ctx, head_dim)
+        kv = self._decode_context(kv_cache, md, block_ids, new_kv)  # (2, H_kv, num_decodes, ctx, D)
         group = num_heads // num_kv_heads
         # (num_decodes, H, D) -> (H_kv, num_decodes, group, D)
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
@@ -117,6 +142,49 @@ class TorchAttentionBackend(AttentionBackend):
         probs = scores.softmax(dim=-1).to(query.dtype)
         out = torch.matmul(probs, kv[1])  # (H_kv, num_decodes, group, D)
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """(num_rows, num_blocks) block ids -> (2, H_kv, num_rows, num_blocks * block_size, D)."""
+        _, num_kv_heads, num_blocks_total, block_size, head_dim = kv_cache.shape
+        # As 3-D (2 * H_kv, blocks, block_size * D), index_select takes its fast row-copy path.
+        kv = kv_cache.view(2 * num_kv_heads, num_blocks_total, block_size * head_dim)
+        kv = kv.index_select(1, block_ids.flatten())
+        return kv.view(2, num_kv_heads, block_ids.shape[0], block_ids.shape[1] * block_size, head_dim)
+
+    def _decode_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
+                        new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The decode rows' contexts, from the layer's mirror when the batch is the one it holds."""
+        num_decodes = md.num_decodes
+        ctx = block_ids.shape[1] * kv_cache.shape[3]
+        uids, seq_lens = md.row_uids[:num_decodes], md.seq_lens_cpu[:num_decodes]
+        layer = kv_cache.data_ptr()
+        mirror = self._mirrors.get(layer)
+        if (mirror is not None and new_kv is not None and mirror.row_uids == uids
+                and ctx <= mirror.buf.shape[3]
+                and all(n == old + 1 for n, old in zip(seq_lens, mirror.seq_lens, strict=True))):
+            rows, positions = self._new_token_slots(md)
+            mirror.buf[0][:, rows, positions] = new_kv[0].transpose(0, 1)
+            mirror.buf[1][:, rows, positions] = new_kv[1].transpose(0, 1)
+            mirror.seq_lens = seq_lens
+            return mirror.buf[:, :, :, :ctx]
+        kv = self._gather(kv_cache, block_ids)
+        self._mirrors.pop(layer, None)
+        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+        capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
+        nbytes = 2 * num_kv_heads * num_decodes * capacity * head_dim * kv.element_size()
+        if len(uids) == num_decodes and new_kv is not None and nbytes <= MIRROR_MAX_BYTES:
+            buf = kv.new_empty(2, num_kv_heads, num_decodes, capacity, head_dim)
+            buf[:, :, :, :ctx] = kv
+            self._mirrors[layer] = _DecodeMirror(buf, list(uids), list(seq_lens))
+        return kv
+
+    @staticmethod
+    def _new_token_slots(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of each decode row's newest token, built once per step."""
+        if "torch_new_token_slots" not in md.backend_data:
+            rows = torch.arange(md.num_decodes, device=md.seq_lens.device)
+            md.backend_data["torch_new_token_slots"] = (rows, md.seq_lens[:md.num_decodes].long() - 1)
+        return md.backend_data["torch_new_token_slots"]
 
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None,
@@ -149,11 +217,8 @@ class TorchAttentionBackend(AttentionBackend):
         if fresh is not None and seq_len == q_len:
             key, value = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)  # (H_kv, q_len, D)
         else:
-            block_size = kv_cache.shape[3]
-            num_blocks = -(-seq_len // block_size)
-            block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
-            kv = kv_cache.view(2 * num_kv_heads, kv_cache.shape[2], block_size * head_dim)
-            kv = kv.index_select(1, block_ids).view(2, num_kv_heads, num_blocks * block_size, head_dim)
+            num_blocks = -(-seq_len // kv_cache.shape[3])
+            kv = self._gather(kv_cache, md.block_tables[i:i + 1, :num_blocks].to(torch.int64))[:, :, 0]
             key, value = kv[0, :, :seq_len], kv[1, :, :seq_len]
         mask = None
         if seq_len != q_len or window is not None:

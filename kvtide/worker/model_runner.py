@@ -6,6 +6,7 @@ running ones as diffs) and makes no policy decisions: it computes exactly what i
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    uid: int = 0
+    """Fresh each time the runner (re)receives the request in full; see AttentionMetadata.row_uids."""
 
     def row_state(self) -> RowState:
         return RowState(self.sampling_params, self.token_ids[:self.num_prompt_tokens],
@@ -63,6 +66,7 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(config.device_config.attention_backend)
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
         # ---- accelerator hook (issue 6): fused Triton layers on CUDA; decode graphs after KV init
         if self.device.type == "cuda" and config.device_config.attention_backend == "triton":
@@ -129,7 +133,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens, uid=next(self._uids))
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -169,7 +173,8 @@ class ModelRunner:
             seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
             block_tables=to_device(block_tables, dev), slot_mapping=to_device(slot_mapping, dev),
             max_query_len=int(lens.max()), max_seq_len=max(seq_lens), block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+            row_uids=[self.requests[r].uid for r in order])
         logits_indices = to_device(torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows],
                                                 dtype=torch.int64), dev)
         return StepInputs(to_device(torch.tensor(input_ids, dtype=torch.int64), dev), to_device(positions_t, dev),
