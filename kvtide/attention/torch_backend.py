@@ -173,7 +173,9 @@ class TorchAttentionBackend(AttentionBackend):
         capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
         nbytes = 2 * num_kv_heads * num_decodes * capacity * head_dim * kv.element_size()
         if len(uids) == num_decodes and new_kv is not None and nbytes <= MIRROR_MAX_BYTES:
-            buf = kv.new_empty(2, num_kv_heads, num_decodes, capacity, head_dim)
+            # Zeroed, not empty: the headroom is read (masked) once ctx grows into it, and masked
+            # garbage can still be NaN, which the -inf mask does not cancel (0 * NaN = NaN).
+            buf = kv.new_zeros(2, num_kv_heads, num_decodes, capacity, head_dim)
             buf[:, :, :, :ctx] = kv
             self._mirrors[layer] = _DecodeMirror(buf, list(uids), list(seq_lens))
         return kv

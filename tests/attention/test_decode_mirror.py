@@ -4,6 +4,7 @@ gives, through batches that stay, shrink, grow, get preempted, and outgrow the m
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kvtide.attention.torch_backend as torch_backend
 from kvtide import LLM, SamplingParams
@@ -36,5 +37,8 @@ def test_mirror_matches_reference(llama_dir, monkeypatch, engine):
             assert abs(la[token].logprob - le[token].logprob) < 1e-4
     backend = llm.engine.core.executor.runner.attention_backend
     assert backend._mirrors, "the decode mirror was never used"
+    for mirror in backend._mirrors.values():  # headroom is read under the mask: it must be finite
+        assert torch.isfinite(mirror.buf).all()
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 12 + 9 * i for i, o in enumerate(actual))
     if engine["kv_cache_memory"] == 10 * BLOCK_BYTES:
         assert llm.engine.core.scheduler.num_preemptions > 0
