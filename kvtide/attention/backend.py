@@ -72,6 +72,25 @@ class AttentionBackend(abc.ABC):
         this step's new K/V (already in the cache), which a backend may read instead of the cache."""
 
 
+def decode_context_layout(md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the decode rows (the first md.num_decodes): the block ids covering the longest context,
+    (num_decodes, num_blocks) int64, and which of those num_blocks * block_size positions each row
+    may attend, (num_decodes, ctx) bool: before its seq_len and, with a window, within it. Built once
+    per step and shared by every layer."""
+    key = ("decode_context_layout", window)
+    if key not in md.backend_data:
+        seq_lens = md.seq_lens[:md.num_decodes]
+        max_len = max(md.seq_lens_cpu[:md.num_decodes])
+        num_blocks = -(-max_len // md.block_size)
+        block_ids = md.block_tables[:md.num_decodes, :num_blocks].to(torch.int64)
+        pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
+        visible = pos[None, :] < seq_lens[:, None]
+        if window is not None:
+            visible &= pos[None, :] > (seq_lens[:, None] - 1 - window)
+        md.backend_data[key] = (block_ids, visible)
+    return md.backend_data[key]
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
     """Backends by name, imported lazily so CPU installs never import Triton."""
     if name == "torch":

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata
-
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout
 
 MIRROR_MAX_BYTES = 96 << 20
 """Largest decode mirror kept for one layer."""
@@ -196,15 +195,8 @@ class TorchAttentionBackend(AttentionBackend):
         Built once per step and shared by every layer."""
         cache_key = ("torch_decode_bias", window)
         if cache_key not in md.backend_data:
-            seq_lens = md.seq_lens[:md.num_decodes]
-            max_len = max(md.seq_lens_cpu[:md.num_decodes])
-            num_blocks = -(-max_len // md.block_size)
-            block_ids = md.block_tables[:md.num_decodes, :num_blocks].to(torch.int64)
-            pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
-            visible = pos[None, :] < seq_lens[:, None]
-            if window is not None:
-                visible &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-            bias = torch.zeros(visible.shape, dtype=torch.float32, device=seq_lens.device)
+            block_ids, visible = decode_context_layout(md, window)
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
             bias.masked_fill_(~visible, float("-inf"))
             md.backend_data[cache_key] = (block_ids, bias[:, None, :])
         return md.backend_data[cache_key]

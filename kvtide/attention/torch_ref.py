@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -61,18 +61,8 @@ class TorchReferenceBackend(AttentionBackend):
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids covering the longest decode context, and a (num_decodes, 1, 1, ctx) mask."""
-        key = ("torch_decode", window)
-        if key not in md.backend_data:
-            seq_lens = md.seq_lens[:md.num_decodes]
-            max_len = max(md.seq_lens_cpu[:md.num_decodes])
-            num_blocks = -(-max_len // md.block_size)
-            block_ids = md.block_tables[:md.num_decodes, :num_blocks].to(torch.int64)
-            pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
-            mask = pos[None, :] < seq_lens[:, None]
-            if window is not None:
-                mask &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-            md.backend_data[key] = (block_ids, mask[:, None, None, :])
-        return md.backend_data[key]
+        block_ids, visible = decode_context_layout(md, window)
+        return block_ids, visible[:, None, None, :]
 
     # ---- prefill chunks: one request at a time -----------------------------------------------
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
