@@ -72,6 +72,20 @@ class AttentionBackend(abc.ABC):
         this step's new K/V (already in the cache), which a backend may read instead of the cache."""
 
 
+def prefill_mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """(q_len, seq_len) bool mask for a chunk of q_len queries ending a context of seq_len: query i
+    sits at position seq_len - q_len + i and sees keys j <= that position (and j > it - window).
+    None when plain causal attention (SDPA's is_causal) is exactly that."""
+    if seq_len == q_len and window is None:
+        return None
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
 def decode_context_layout(md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """For the decode rows (the first md.num_decodes): the block ids covering the longest context,
     (num_decodes, num_blocks) int64, and which of those num_blocks * block_size positions each row

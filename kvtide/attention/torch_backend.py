@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout, prefill_mask
 
 MIRROR_MAX_BYTES = 96 << 20
 """Largest decode mirror kept for one layer."""
@@ -114,10 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_len = total // num
         key, value = fresh
         num_kv_heads = key.shape[1]
-        mask = None
-        if window is not None:
-            pos = torch.arange(q_len, device=query.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        mask = prefill_mask(q_len, q_len, window, query.device)
         out = F.scaled_dot_product_attention(
             query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
             key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
@@ -214,13 +211,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks = -(-seq_len // kv_cache.shape[3])
             kv = self._gather(kv_cache, md.block_tables[i:i + 1, :num_blocks].to(torch.int64))[:, :, 0]
             key, value = kv[0, :, :seq_len], kv[1, :, :seq_len]
-        mask = None
-        if seq_len != q_len or window is not None:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
+        mask = prefill_mask(q_len, seq_len, window, query.device)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=scale,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout
+from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout, prefill_mask
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -74,18 +74,10 @@ class TorchReferenceBackend(AttentionBackend):
         block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
         key = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
         value = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        mask = None
-        is_causal = True
-        if seq_len != q_len or window is not None:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            is_causal = False
+        mask = prefill_mask(q_len, seq_len, window, query.device)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
             key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=is_causal, scale=scale,
+            attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=query.shape[1] != num_kv_heads)
         return out.squeeze(0).transpose(0, 1)
