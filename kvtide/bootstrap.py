@@ -10,10 +10,15 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtide.config import EngineConfig
 from kvtide.engine.core import EngineCore
 from kvtide.engine_args import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs
+
+if TYPE_CHECKING:
+    from kvtide.worker.executor import UniprocExecutor
+    from kvtide.worker.memory_profile import MemoryMeter
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +61,14 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
-def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+def _num_kv_blocks(config: EngineConfig, bytes_per_block: int, gpu_memory: int | None = None) -> int:
+    """Blocks in the pool: kv_cache_memory if given, else `gpu_memory` (CUDA, from
+    gpu_memory_utilization), else on CPU a default."""
     cache = config.cache_config
     if cache.kv_cache_memory is not None:
         memory = cache.kv_cache_memory
-    elif config.device_config.device == "cuda":
-        import torch
-
-        free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free
-        memory = int(total * cache.gpu_memory_utilization) - used_by_others
+    elif gpu_memory is not None:
+        memory = gpu_memory
     else:
         # No more than the scheduler could ever fill.
         tokens = config.scheduler_config.max_num_seqs * config.model_config.max_model_len
@@ -74,10 +77,56 @@ def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     max_model_len = config.model_config.max_model_len
     if num_blocks * cache.block_size < max_model_len:
         need = -(-max_model_len // cache.block_size) * bytes_per_block
+        utilization = (f"raise gpu_memory_utilization (now {cache.gpu_memory_utilization}), "
+                       if cache.kv_cache_memory is None and gpu_memory is not None else "")
         raise ValueError(f"the KV cache holds {num_blocks * cache.block_size} tokens, fewer than "
-                         f"max_model_len={max_model_len}; give kv_cache_memory >= {need} bytes or lower "
-                         f"max_model_len")
+                         f"max_model_len={max_model_len}; {utilization}give kv_cache_memory >= {need} "
+                         f"bytes or lower max_model_len")
     return num_blocks
+
+
+def gpu_kv_cache_memory(total: int, utilization: float, used_by_others: int, weights: int,
+                        activation_peak: int) -> int:
+    """vLLM's sizing: the share of the GPU we may use, less what other processes held before we
+    started, our weights and the activation peak of the largest step; the rest is the KV pool's."""
+    memory = int(total * utilization) - used_by_others - weights - activation_peak
+    logger.info("GPU memory: %.2f GiB x gpu_memory_utilization %.2f, less other processes %.2f GiB, "
+                "weights %.2f GiB, activation peak %.2f GiB -> KV cache %.2f GiB", total / 2**30,
+                utilization, used_by_others / 2**30, weights / 2**30, activation_peak / 2**30,
+                memory / 2**30)
+    if memory <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+                         f"{total * utilization / 2**30:.2f} GiB allowed, other processes hold "
+                         f"{used_by_others / 2**30:.2f} GiB, the weights {weights / 2**30:.2f} GiB and the "
+                         f"largest step's activations {activation_peak / 2**30:.2f} GiB; raise "
+                         f"gpu_memory_utilization or lower max_num_batched_tokens")
+    return memory
+
+
+def _gpu_memory_meter(config: EngineConfig) -> MemoryMeter | None:
+    """The CUDA meter when the KV pool is sized from gpu_memory_utilization, else None."""
+    if config.device_config.device != "cuda" or config.cache_config.kv_cache_memory is not None:
+        return None
+    from kvtide.worker.memory_profile import CudaMemoryMeter
+
+    return CudaMemoryMeter()
+
+
+class _GpuBudget:
+    """The readings gpu_kv_cache_memory needs: the device before the model loads, then the weights
+    and the peak of a profiled step."""
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        free, self.total = meter.device_usage()
+        self.used_by_others = self.total - free
+        self.allocated_at_start = meter.allocated()
+        self.meter = meter
+
+    def kv_cache_memory(self, config: EngineConfig, executor: UniprocExecutor) -> int:
+        weights = self.meter.allocated() - self.allocated_at_start
+        activation_peak = executor.profile_peak_activation_bytes(self.meter)
+        return gpu_kv_cache_memory(self.total, config.cache_config.gpu_memory_utilization,
+                                   self.used_by_others, weights, activation_peak)
 
 
 def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
@@ -85,8 +134,11 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
 
     model_dir = args.resolve_model_dir()
     config = args.create_engine_config(model_dir)
+    meter = _gpu_memory_meter(config)
+    budget = _GpuBudget(meter) if meter is not None else None  # read before the weights load
     executor = UniprocExecutor(config, model_dir)
-    num_blocks = _num_kv_blocks(config, executor.kv_bytes_per_block())
+    gpu_memory = budget.kv_cache_memory(config, executor) if budget is not None else None
+    num_blocks = _num_kv_blocks(config, executor.kv_bytes_per_block(), gpu_memory)
     executor.initialize_kv_cache(num_blocks)
     config = config.replace_cache(num_blocks=num_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.cache_config.block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvtide.config import EngineConfig
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.worker.memory_profile import MemoryMeter, profile_peak_activation_bytes
 from kvtide.worker.model_runner import ModelRunner
 
 
@@ -14,6 +15,9 @@ class UniprocExecutor:
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
+
+    def profile_peak_activation_bytes(self, memory_stats: MemoryMeter | None = None) -> int:
+        return profile_peak_activation_bytes(self.runner, self.runner.config, memory_stats)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
