@@ -21,6 +21,7 @@ from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from kvtide.testing.faults import FAULTS  # issue 7: test-only fault injection, None unless env set
+from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class ModelRunner:
 
             use_triton_ops(self.model)
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        if self.device.type == "cpu":
+            keep_large_allocations_on_heap()
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
