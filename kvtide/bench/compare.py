@@ -6,7 +6,8 @@
 
 Offline workloads (`throughput`: N requests at once; `latency`: one request at a time) run in one
 worker process per engine (kvtide/bench/engines.py), started one after another and kept alive, so
-start-up is paid once and reported apart. Repeat r runs the engines in the order rotated by r, so no
+start-up is paid once and reported apart; while one engine is measured the others are paused
+(SIGSTOP), since an idle engine's background threads would share the cores. Repeat r runs the engines in the order rotated by r, so no
 engine always goes first (or last, after the others warmed the caches). Every figure is divided by
 kvtide's from the same repeat; the table gives each ratio's min/median/max over the repeats.
 
@@ -136,17 +137,28 @@ def _engine_list(args) -> list[str]:
     return engines
 
 
+def round_seed(seed: int, repeat: int) -> int:
+    """Each repeat draws fresh prompts: the same ones again would hit the prefix cache of every
+    engine that has one (kvtide's and vLLM's are on by default) and skip most of the prefill."""
+    return seed + 1000 * repeat
+
+
 def build_spec(args, model_dir: str, config: dict) -> dict:
-    prompts, out_lens = random_token_prompts(config["vocab_size"], args.num_prompts, args.input_len,
-                                             args.output_len, args.seed)
-    latency_prompts, _ = random_token_prompts(config["vocab_size"], 2 * (args.num_iters + 1),
-                                              args.latency_input_len, 1, args.seed + 1)
+    """Workloads for the engine workers: one round of prompts per repeat."""
+    vocab = config["vocab_size"]
+    throughput, latency = [], []
+    for r in range(args.repeats):
+        prompts, out_lens = random_token_prompts(vocab, args.num_prompts, args.input_len, args.output_len,
+                                                 round_seed(args.seed, r))
+        latency_prompts, _ = random_token_prompts(vocab, 2 * (args.num_iters + 1), args.latency_input_len, 1,
+                                                  round_seed(args.seed, r) + 1)
+        throughput.append({"prompts": prompts, "output_lens": out_lens})
+        latency.append({"prompts": latency_prompts, "output_len": args.latency_output_len, "num_warmup": 1})
     max_len = max(args.input_len + args.output_len, args.latency_input_len + args.latency_output_len) + 16
     return {"model": model_dir, "max_model_len": max_len, "threads": args.threads,
             "engine_kwargs": engine_kwargs_from_args(args), "hf_batch_size": args.num_prompts,
             "llamacpp_max_seqs": min(64, args.num_prompts),
-            "throughput": {"prompts": prompts, "output_lens": out_lens},
-            "latency": {"prompts": latency_prompts, "output_len": args.latency_output_len, "num_warmup": 1}}
+            "throughput": {"rounds": throughput}, "latency": {"rounds": latency}}
 
 
 def _gguf_for(args, model_dir: str) -> str:
@@ -189,10 +201,24 @@ def run_offline(args, engines: list[str], workloads: list[str], spec: dict, log_
             else:
                 worker.close()
         _measure_rounds(args, list(workers), workloads, summary,
-                        lambda engine, workload: workers[engine].run(workload, args.run_timeout))
+                        lambda engine, workload, r: _run_alone(workers, engine, workload, r, args.run_timeout))
     finally:
         for worker in workers.values():
             worker.close()
+
+
+def _run_alone(workers: dict[str, peers.EngineWorker], engine: str, workload: str, repeat: int,
+               timeout_s: float) -> dict:
+    """One engine's workload (the prompts of round `repeat`) with every other worker paused, so
+    only it runs on the cores."""
+    others = [worker for name, worker in workers.items() if name != engine]
+    for worker in others:
+        worker.pause()
+    try:
+        return workers[engine].run(workload, repeat, timeout_s)
+    finally:
+        for worker in others:
+            worker.resume()
 
 
 def _measure_rounds(args, engines: list[str], workloads: list[str], summary: dict, run_one) -> None:
@@ -204,7 +230,7 @@ def _measure_rounds(args, engines: list[str], workloads: list[str], summary: dic
         for engine in order:
             for workload in workloads:
                 print(f"[compare] repeat {r + 1}/{args.repeats}: {engine} {workload}", file=sys.stderr, flush=True)
-                result = run_one(engine, workload)
+                result = run_one(engine, workload, r)
                 summary.setdefault("run_order", []).append([r, engine, workload])
                 if "token_ids" in result and workload == "throughput":
                     tokens.setdefault(engine, result["token_ids"])
@@ -268,13 +294,13 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
         targets = [e for e in engines if urls.get(e)]
         tokenizer = load_tokenizer_for_bench(None, model_dir)
 
-        def run_one(engine: str, workload: str) -> dict:
+        def run_one(engine: str, workload: str, repeat: int) -> dict:
             ns = argparse.Namespace(
                 base_url=urls[engine], endpoint="/v1/completions", model=None, tokenizer=None,
                 dataset_name="random", dataset_path=None, num_prompts=args.num_prompts, input_len=args.input_len,
                 output_len=args.output_len, random_input_len=args.input_len, random_output_len=args.output_len,
                 random_range_ratio=0.0, request_rate=args.request_rate, burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency, num_warmups=1, seed=args.seed, temperature=0.0,
+                max_concurrency=args.max_concurrency, num_warmups=1, seed=round_seed(args.seed, repeat), temperature=0.0,
                 ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=None, metric_percentiles="90,99,99.9", request_timeout=600.0,
                 disable_tqdm=True, metrics_interval=0.5)
             try:

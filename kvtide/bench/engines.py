@@ -6,7 +6,7 @@ llama-cpp-python venv without kvtide) can run it by path:
     PEER_PYTHON kvtide/bench/engines.py --engine vllm --spec SPEC.json --control-dir DIR
 
 The worker loads the engine once, writes DIR/ready.json, then runs one workload per line read from
-stdin ({"id": 3, "workload": "throughput"}) and answers with DIR/result-3.json. `kvtide bench compare`
+stdin ({"id": 3, "workload": "throughput", "round": 0}) and answers with DIR/result-3.json. `kvtide bench compare`
 keeps one worker per engine alive and interleaves them, so no engine pays its start-up per repeat.
 
 Adapters (all greedy, EOS ignored, same token-id prompts):
@@ -362,7 +362,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         adapter = ADAPTERS[args.engine](spec)
-        warm = (spec.get("throughput") or spec.get("latency") or {}).get("prompts") or [[3, 4, 5, 6]]
+        rounds = (spec.get("throughput") or spec.get("latency") or {}).get("rounds") or [{}]
+        warm = rounds[0].get("prompts") or [[3, 4, 5, 6]]
         adapter.generate([warm[0][:8]], [2])  # first-call costs (lazy init, compilation) count as start-up
     except Exception as e:  # reported to the parent, which skips this engine
         _write_json(os.path.join(args.control_dir, "ready.json"),
@@ -377,7 +378,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         if command.get("workload") == "quit":
             break
         try:
-            result = {"ok": True, **WORKLOADS[command["workload"]](adapter, spec[command["workload"]])}
+            workload = spec[command["workload"]]["rounds"][command.get("round", 0)]
+            result = {"ok": True, **WORKLOADS[command["workload"]](adapter, workload)}
         except Exception as e:
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         _write_json(os.path.join(args.control_dir, f"result-{command['id']}.json"), result)

@@ -119,7 +119,7 @@ class EngineWorker:
         self.proc = subprocess.Popen([python, ENGINES_SCRIPT, "--engine", engine, "--spec", spec_path,
                                       "--control-dir", self.control_dir],
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, text=True)
+                                     env=env, text=True, start_new_session=True)
         self.ready: dict | None = None
         self._next_id = 0
 
@@ -131,10 +131,11 @@ class EngineWorker:
         self.ready = info
         return info
 
-    def run(self, workload: str, timeout_s: float) -> dict:
+    def run(self, workload: str, repeat: int, timeout_s: float) -> dict:
+        """Run `workload` on the prompts of round `repeat` (see compare.build_spec)."""
         self._next_id += 1
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"id": self._next_id, "workload": workload}) + "\n")
+        self.proc.stdin.write(json.dumps({"id": self._next_id, "workload": workload, "round": repeat}) + "\n")
         self.proc.stdin.flush()
         return self._wait_file(f"result-{self._next_id}.json", timeout_s)
 
@@ -151,7 +152,19 @@ class EngineWorker:
         with open(path) as f:
             return json.load(f)
 
+    def pause(self) -> None:
+        """Stop the worker and its children (SIGSTOP to its process group) while another engine is
+        measured: an idle engine's background threads (vLLM's engine-core loop) would otherwise
+        take a share of the cores."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
@@ -230,7 +243,19 @@ class ServerProcess:
             time.sleep(0.5)
         return {"ok": False, "error": f"{self.engine} server not ready in {timeout_s:.0f} s"}
 
+    def pause(self) -> None:
+        """Stop the worker and its children (SIGSTOP to its process group) while another engine is
+        measured: an idle engine's background threads (vLLM's engine-core loop) would otherwise
+        take a share of the cores."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:  # its own session: stop the server and the workers it started
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
