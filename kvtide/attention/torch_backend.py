@@ -15,8 +15,15 @@ Its cache layout differs from the reference's so a decode step copies the contex
 Decode mirror: a decode batch usually comes back next step unchanged but one token longer. So
 each layer keeps its last gathered context (with headroom) and, while the rows match (same
 `row_uids`, each seq_len one more), only writes the new token into it: the context is then read
-once per step, not gathered, written and read again. Any change in the batch rebuilds it with one
-gather. Its memory is bounded per layer (MIRROR_MAX_BYTES); past that the plain gather is used.
+once per step, not gathered, written and read again. It is built only for a batch that came back
+unchanged MIRROR_AFTER_STEPS times in a row: under a server's churn (a request joins or ends every
+few steps) a mirror would be rebuilt about as often as it is used, each build costing three
+gathers' worth of copying. Its memory is bounded per
+layer (MIRROR_MAX_BYTES).
+
+Without a mirror the contexts are gathered a few rows at a time (GATHER_CHUNK_BYTES), each chunk
+attended while it is still in cache: gathering a whole large batch at once writes a copy of every
+context to memory and reads it back, which made the gather most of a busy server's step.
 
 Checked against torch_ref.py on random mixed batches in tests/attention.
 """
@@ -35,6 +42,10 @@ SOFTMAX_CUTOFF = 64.0
 weight (< e^-64 ~ 1.6e-28) is invisible in a float32 result, but softmax would return it as a
 subnormal float, and x86 cores multiply subnormals through slow microcode assists: on the bench
 model P @ V ran over 2x slower for it (see `_softmax_without_subnormals`)."""
+GATHER_CHUNK_BYTES = 8 << 20
+"""Contexts gathered at once on the chunked decode path: small enough to stay in cache."""
+MIRROR_AFTER_STEPS = 3
+"""Steps a decode batch must come back unchanged (one token longer) before a mirror is built."""
 MIRROR_MAX_BYTES = 96 << 20
 """Largest decode mirror kept for one layer."""
 MIRROR_HEADROOM_TOKENS = 256
@@ -55,6 +66,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._mirrors: dict[int, _DecodeMirror] = {}
         """Per layer (keyed by its cache's data pointer)."""
+        self._last_batch: dict[int, tuple[list[int], list[int], int]] = {}
+        """Per layer, the (row_uids, seq_lens) of its last decode batch without a mirror, and for
+        how many steps in a row that batch has come back."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -134,13 +148,19 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[1]
         block_ids, bias = self._decode_layout(md, window, query.dtype)
-        kv = self._decode_context(kv_cache, md, block_ids, new_kv)  # (2, H_kv, num_decodes, ctx, D)
         group = num_heads // num_kv_heads
         # (num_decodes, H, D) -> (H_kv, num_decodes, group, D)
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
-        scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (H_kv, num_decodes, group, ctx)
-        probs = _softmax_without_subnormals(scores.float() + bias).to(query.dtype)
-        out = torch.matmul(probs, kv[1])  # (H_kv, num_decodes, group, D)
+        kv = self._mirrored_context(kv_cache, md, block_ids, new_kv)  # (2, H_kv, num_decodes, ctx, D)
+        if kv is not None:
+            out = _attend(q, kv, bias)
+        else:
+            out = torch.empty_like(q)
+            row_bytes = 2 * num_kv_heads * block_ids.shape[1] * kv_cache.shape[3] * head_dim * kv_cache.element_size()
+            rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
+            for first in range(0, num_decodes, rows):
+                chunk = slice(first, first + rows)
+                out[:, chunk] = _attend(q[:, chunk], self._gather(kv_cache, block_ids[chunk]), bias[chunk])
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -151,33 +171,39 @@ class TorchAttentionBackend(AttentionBackend):
         kv = kv.index_select(1, block_ids.flatten())
         return kv.view(2, num_kv_heads, block_ids.shape[0], block_ids.shape[1] * block_size, head_dim)
 
-    def _decode_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
-                        new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The decode rows' contexts, from the layer's mirror when the batch is the one it holds."""
+    def _mirrored_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
+                          new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+        """The decode rows' contexts from the layer's mirror, when it holds this batch or the batch
+        is the same as last step's (the mirror is then built); None: gather them in chunks."""
         num_decodes = md.num_decodes
         ctx = block_ids.shape[1] * kv_cache.shape[3]
         uids, seq_lens = md.row_uids[:num_decodes], md.seq_lens_cpu[:num_decodes]
         layer = kv_cache.data_ptr()
         mirror = self._mirrors.get(layer)
-        if (mirror is not None and new_kv is not None and mirror.row_uids == uids
-                and ctx <= mirror.buf.shape[3]
-                and all(n == old + 1 for n, old in zip(seq_lens, mirror.seq_lens, strict=True))):
+        if (mirror is not None and new_kv is not None and ctx <= mirror.buf.shape[3]
+                and _one_token_longer(mirror.row_uids, mirror.seq_lens, uids, seq_lens)):
             rows, positions = self._new_token_slots(md)
             mirror.buf[0][:, rows, positions] = new_kv[0].transpose(0, 1)
             mirror.buf[1][:, rows, positions] = new_kv[1].transpose(0, 1)
             mirror.seq_lens = seq_lens
             return mirror.buf[:, :, :, :ctx]
-        kv = self._gather(kv_cache, block_ids)
         self._mirrors.pop(layer, None)
+        last = self._last_batch.pop(layer, None)
         _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
         capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
-        nbytes = 2 * num_kv_heads * num_decodes * capacity * head_dim * kv.element_size()
-        if len(uids) == num_decodes and new_kv is not None and nbytes <= MIRROR_MAX_BYTES:
-            # Zeroed, not empty: the headroom is read (masked) once ctx grows into it, and masked
-            # garbage can still be NaN, which the -inf mask does not cancel (0 * NaN = NaN).
-            buf = kv.new_zeros(2, num_kv_heads, num_decodes, capacity, head_dim)
-            buf[:, :, :, :ctx] = kv
-            self._mirrors[layer] = _DecodeMirror(buf, list(uids), list(seq_lens))
+        nbytes = 2 * num_kv_heads * num_decodes * capacity * head_dim * kv_cache.element_size()
+        if len(uids) != num_decodes or new_kv is None or nbytes > MIRROR_MAX_BYTES:
+            return None
+        steps = last[2] + 1 if last is not None and _one_token_longer(last[0], last[1], uids, seq_lens) else 1
+        if steps <= MIRROR_AFTER_STEPS:
+            self._last_batch[layer] = (list(uids), list(seq_lens), steps)
+            return None
+        kv = self._gather(kv_cache, block_ids)
+        # Zeroed, not empty: the headroom is read (masked) once ctx grows into it, and masked
+        # garbage can still be NaN, which the -inf mask does not cancel (0 * NaN = NaN).
+        buf = kv.new_zeros(2, num_kv_heads, num_decodes, capacity, head_dim)
+        buf[:, :, :, :ctx] = kv
+        self._mirrors[layer] = _DecodeMirror(buf, list(uids), list(seq_lens))
         return kv
 
     @staticmethod
@@ -229,3 +255,15 @@ def _softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
     scores -= scores.amax(dim=-1, keepdim=True)
     F.threshold_(scores, -SOFTMAX_CUTOFF, float("-inf"))  # x <= -cutoff -> -inf, in one pass
     return scores.softmax(dim=-1)
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q (H_kv, rows, group, D), kv (2, H_kv, rows, ctx, D), bias (rows, 1, ctx) -> (H_kv, rows, group, D)."""
+    scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (H_kv, rows, group, ctx)
+    probs = _softmax_without_subnormals(scores.float() + bias).to(q.dtype)
+    return torch.matmul(probs, kv[1])
+
+
+def _one_token_longer(old_uids: list[int], old_lens: list[int], uids: list[int], seq_lens: list[int]) -> bool:
+    """Whether a decode batch is the previous one, each sequence one token longer."""
+    return old_uids == uids and all(n == old + 1 for n, old in zip(seq_lens, old_lens, strict=True))

@@ -6,8 +6,9 @@
 
 Offline workloads (`throughput`: N requests at once; `latency`: one request at a time) run in one
 worker process per engine (kvtide/bench/engines.py), started one after another and kept alive, so
-start-up is paid once and reported apart; while one engine is measured the others are paused
-(SIGSTOP), since an idle engine's background threads would share the cores. Repeat r runs the engines in the order rotated by r, so no
+start-up is paid once and reported apart; while one engine is measured the others (workers, and
+servers launched here) are paused (SIGSTOP), since an idle engine's background threads would share
+the cores. Repeat r runs the engines in the order rotated by r, so no
 engine always goes first (or last, after the others warmed the caches). Every figure is divided by
 kvtide's from the same repeat; the table gives each ratio's min/median/max over the repeats.
 
@@ -211,14 +212,8 @@ def _run_alone(workers: dict[str, peers.EngineWorker], engine: str, workload: st
                timeout_s: float) -> dict:
     """One engine's workload (the prompts of round `repeat`) with every other worker paused, so
     only it runs on the cores."""
-    others = [worker for name, worker in workers.items() if name != engine]
-    for worker in others:
-        worker.pause()
-    try:
+    with peers.others_paused([worker for name, worker in workers.items() if name != engine]):
         return workers[engine].run(workload, repeat, timeout_s)
-    finally:
-        for worker in others:
-            worker.resume()
 
 
 def _measure_rounds(args, engines: list[str], workloads: list[str], summary: dict, run_one) -> None:
@@ -304,7 +299,8 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
                 ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=None, metric_percentiles="90,99,99.9", request_timeout=600.0,
                 disable_tqdm=True, metrics_interval=0.5)
             try:
-                result = asyncio.run(run_serve_benchmark(ns, tokenizer=tokenizer))
+                with peers.others_paused([server for name, server in servers.items() if name != engine]):
+                    result = asyncio.run(run_serve_benchmark(ns, tokenizer=tokenizer))
             except (ValueError, OSError) as e:
                 return {"ok": False, "error": str(e)}
             for key in ("_records", "_t0", "_running_samples"):

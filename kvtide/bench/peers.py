@@ -9,6 +9,7 @@ VLLM_HOST_IP=127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 ENGINES_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines.py")
 
@@ -104,7 +106,35 @@ def convert_to_gguf(model_dir: str, llamacpp_python: str, convert_script: str, o
     return out_path
 
 
-class EngineWorker:
+class PausableProcess:
+    """A process started in its own session (`self.proc`), which can be stopped with all its
+    children while another engine is measured: an idle engine's background threads (vLLM's
+    engine-core loop) would otherwise take a share of the cores."""
+
+    proc: subprocess.Popen
+
+    def pause(self) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def others_paused(processes: list[PausableProcess]) -> Iterator[None]:
+    """Pause `processes` for the duration of the block; resumed however it ends."""
+    for process in processes:
+        process.pause()
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.resume()
+
+
+class EngineWorker(PausableProcess):
     """A process running kvtide/bench/engines.py for one engine; one workload per `run` call."""
 
     def __init__(self, engine: str, python: str, spec: dict, env: dict[str, str], log_dir: str) -> None:
@@ -151,17 +181,6 @@ class EngineWorker:
             time.sleep(0.05)
         with open(path) as f:
             return json.load(f)
-
-    def pause(self) -> None:
-        """Stop the worker and its children (SIGSTOP to its process group) while another engine is
-        measured: an idle engine's background threads (vLLM's engine-core loop) would otherwise
-        take a share of the cores."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGCONT)
 
     def close(self) -> None:
         self.resume()
@@ -215,7 +234,7 @@ def _server_command(engine: str, python: str, model_dir: str, port: int, max_mod
     raise ValueError(f"no server command for engine {engine!r}")
 
 
-class ServerProcess:
+class ServerProcess(PausableProcess):
     """A launched server, waited for on /v1/models and stopped by terminate (then kill)."""
 
     def __init__(self, engine: str, cmd: list[str], env: dict[str, str], port: int, log_dir: str) -> None:
@@ -242,17 +261,6 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         return {"ok": False, "error": f"{self.engine} server not ready in {timeout_s:.0f} s"}
-
-    def pause(self) -> None:
-        """Stop the worker and its children (SIGSTOP to its process group) while another engine is
-        measured: an idle engine's background threads (vLLM's engine-core loop) would otherwise
-        take a share of the cores."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGCONT)
 
     def close(self) -> None:
         self.resume()

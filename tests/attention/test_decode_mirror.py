@@ -42,3 +42,24 @@ def test_mirror_matches_reference(llama_dir, monkeypatch, engine):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 12 + 9 * i for i, o in enumerate(actual))
     if engine["kv_cache_memory"] == 10 * BLOCK_BYTES:
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_mirror_is_built_only_for_a_batch_that_stays(llama_dir):
+    """Under churn (a request joins every step) no mirror is built: it would be thrown away next
+    step. Once arrivals stop, the mirror comes after MIRROR_AFTER_STEPS unchanged steps."""
+    llm = LLM(llama_dir, max_model_len=256, kv_cache_memory="8MiB")
+    engine = llm.engine
+    backend = engine.core.executor.runner.attention_backend
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(10):
+        engine.add_request(engine.next_request_id(), {"prompt_token_ids": PROMPTS[i % len(PROMPTS)]}, params)
+        engine.step()
+        assert not backend._mirrors, f"a mirror was built at churn step {i}"
+    steps = 0
+    while not backend._mirrors:
+        engine.step()
+        steps += 1
+    assert steps == torch_backend.MIRROR_AFTER_STEPS + 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.core.check_integrity()

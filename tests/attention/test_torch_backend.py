@@ -94,3 +94,16 @@ def test_decode_softmax_leaves_no_subnormal_weights():
     assert not ((ours > 0) & (ours < tiny)).any()
     assert torch.equal(ours[..., 80:], torch.zeros_like(ours[..., 80:]))
     torch.testing.assert_close(ours, plain, rtol=1e-6, atol=float(torch.exp(torch.tensor(-SOFTMAX_CUTOFF))))
+
+
+def test_decode_contexts_gathered_row_by_row_give_bitwise_the_same_output(monkeypatch):
+    """The chunked gather only changes how many rows are gathered at once, not any row's math."""
+    from kvtide.attention import torch_backend
+
+    batch = make_paged_batch(DECODES + [(1, 70), (1, 3), (1, 33)], 8, 2, 32, 16, torch.float32, seed=3)
+    monkeypatch.setattr(torch_backend, "GATHER_CHUNK_BYTES", 1)  # one row per chunk
+    expected, one_row, _, _ = run_both(batch, 32 ** -0.5, None, False)
+    monkeypatch.setattr(torch_backend, "GATHER_CHUNK_BYTES", 1 << 40)  # all rows at once
+    _, all_rows, _, _ = run_both(batch, 32 ** -0.5, None, False)
+    assert torch.equal(one_row, all_rows)
+    torch.testing.assert_close(one_row, expected, **TOL[torch.float32])

@@ -21,7 +21,8 @@ def _state(pid: int) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_pause_stops_the_worker_process_group_and_resume_continues_it():
-    worker = object.__new__(peers.EngineWorker)  # a worker around a plain process, no engine
+    worker = peers.PausableProcess()
+    # a plain process with a child, in its own session like the engine workers and servers
     worker.proc = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; "
          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
