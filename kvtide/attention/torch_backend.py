@@ -18,8 +18,7 @@ each layer keeps its last gathered context (with headroom) and, while the rows m
 once per step, not gathered, written and read again. It is built only for a batch that came back
 unchanged MIRROR_AFTER_STEPS times in a row: under a server's churn (a request joins or ends every
 few steps) a mirror would be rebuilt about as often as it is used, each build costing three
-gathers' worth of copying. Its memory is bounded per
-layer (MIRROR_MAX_BYTES).
+gathers' worth of copying. Its memory is bounded per layer (MIRROR_MAX_BYTES).
 
 Without a mirror the contexts are gathered a few rows at a time (GATHER_CHUNK_BYTES), each chunk
 attended while it is still in cache: gathering a whole large batch at once writes a copy of every
@@ -174,7 +173,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _mirrored_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
                           new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
         """The decode rows' contexts from the layer's mirror, when it holds this batch or the batch
-        is the same as last step's (the mirror is then built); None: gather them in chunks."""
+        has now come back unchanged MIRROR_AFTER_STEPS times (the mirror is then built); None:
+        gather them in chunks."""
         num_decodes = md.num_decodes
         ctx = block_ids.shape[1] * kv_cache.shape[3]
         uids, seq_lens = md.row_uids[:num_decodes], md.seq_lens_cpu[:num_decodes]

@@ -8,9 +8,9 @@ Offline workloads (`throughput`: N requests at once; `latency`: one request at a
 worker process per engine (kvtide/bench/engines.py), started one after another and kept alive, so
 start-up is paid once and reported apart; while one engine is measured the others (workers, and
 servers launched here) are paused (SIGSTOP), since an idle engine's background threads would share
-the cores. Repeat r runs the engines in the order rotated by r, so no
-engine always goes first (or last, after the others warmed the caches). Every figure is divided by
-kvtide's from the same repeat; the table gives each ratio's min/median/max over the repeats.
+the cores. Repeat r runs the engines in the order rotated by r, so no engine always goes first (or
+last, after the others warmed the caches), on fresh prompts (`round_seed`). Every figure is divided
+by kvtide's from the same repeat; the table gives each ratio's min/median/max over the repeats.
 
 The `serve` workload runs `kvtide bench serve` against each engine's OpenAI-compatible server: the
 URLs given (--kvtide-url, --vllm-url, --llamacpp-url) or, with --launch-servers, servers started here.
