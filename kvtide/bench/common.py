@@ -9,10 +9,13 @@ token of its own ('<|t300|>'), so each generated token has text. Offline benchma
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -152,3 +155,27 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
         prefix.append(k)
     return {"identical": same, "of": min(len(a), len(b)),
             "mean_common_prefix": float(np.mean(prefix)) if prefix else 0.0}
+
+
+def print_and_save(result: dict, text: str, output_json: str | None) -> int:
+    """Print a benchmark's figures, and write the result to output_json if given; exit status 0."""
+    print(text)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def module_main(argv: list[str] | None, name: str, doc: str | None,
+                add_args: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int]) -> int:
+    """`python -m kvtide.bench.NAME`, with the flags of `kvtide bench NAME`; a ValueError (bad
+    flags, a missing model) is one line on stderr and exit status 2."""
+    parser = argparse.ArgumentParser(prog=f"python -m kvtide.bench.{name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except ValueError as e:
+        print(f"kvtide bench {name}: error: {e}", file=sys.stderr)
+        return 2

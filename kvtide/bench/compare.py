@@ -28,7 +28,14 @@ import tempfile
 import time
 
 from kvtide.bench import peers
-from kvtide.bench.common import cache_root, greedy_agreement, random_token_prompts, read_config, resolve_model
+from kvtide.bench.common import (
+    cache_root,
+    greedy_agreement,
+    module_main,
+    random_token_prompts,
+    read_config,
+    resolve_model,
+)
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
 
@@ -347,15 +354,7 @@ def main_compare(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtide bench compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_compare_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main_compare(args)
-    except ValueError as e:
-        print(f"kvtide bench compare: error: {e}", file=sys.stderr)
-        return 2
+    return module_main(argv, "compare", __doc__, add_compare_args, main_compare)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ prefill; --num-iters-warmup iterations run first and are not counted. Reported a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from kvtide.bench.common import random_token_prompts, read_config, resolve_model
+from kvtide.bench.common import module_main, print_and_save, random_token_prompts, read_config, resolve_model
 from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_latency
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
@@ -74,23 +73,11 @@ def format_result(result: dict) -> str:
 
 def main_latency(args) -> int:
     result = run(args)
-    print(format_result(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return print_and_save(result, format_result(result), args.output_json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtide.bench.latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_latency_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main_latency(args)
-    except ValueError as e:
-        print(f"kvtide bench latency: error: {e}", file=sys.stderr)
-        return 2
+    return module_main(argv, "latency", __doc__, add_latency_args, main_latency)
 
 
 if __name__ == "__main__":

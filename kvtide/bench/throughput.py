@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from dataclasses import fields
 
 from kvtide.bench.common import (
     greedy_agreement,
     measure_matmul_peak,
+    module_main,
+    print_and_save,
     random_token_prompts,
     read_config,
     resolve_model,
@@ -170,23 +171,11 @@ def format_result(result: dict) -> str:
 
 def main_throughput(args) -> int:
     result = run(args)
-    print(format_result(result))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return print_and_save(result, format_result(result), args.output_json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtide.bench.throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_throughput_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main_throughput(args)
-    except ValueError as e:
-        print(f"kvtide bench throughput: error: {e}", file=sys.stderr)
-        return 2
+    return module_main(argv, "throughput", __doc__, add_throughput_args, main_throughput)
 
 
 if __name__ == "__main__":
