@@ -3,11 +3,10 @@ changes, after which the engine still generates the same tokens."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
+from checkpoint_edits import set_architecture
 
 from kvtide import LLM, SamplingParams
 
@@ -159,12 +158,7 @@ def test_good_batch_after_failures(llm, reference):
 def test_unknown_architecture(llama_dir, tmp_path):
     model_dir = tmp_path / "unknown"
     shutil.copytree(llama_dir, model_dir)
-    config_path = os.path.join(model_dir, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["architectures"] = ["NotARealModelForCausalLM"]
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    set_architecture(str(model_dir), "NotARealModelForCausalLM")
     with pytest.raises(ValueError, match="architecture") as info:
         LLM(model=str(model_dir), kv_cache_memory="32MiB", max_model_len=256)
     message = str(info.value)

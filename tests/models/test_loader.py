@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from checkpoint_edits import set_architecture
 from hf_reference import CJK_EMOJI_PROMPT, LONG_PROMPT, hf_greedy, hf_model_and_tokenizer
 from safetensors.torch import load_file, save_file
 
@@ -68,12 +69,7 @@ def test_bf16_checkpoint_runs_in_float32(checkpoint_factory, tmp_path):
 
 def test_unknown_architecture_names_the_supported_ones(llama_dir, tmp_path):
     path = copy_checkpoint(llama_dir, str(tmp_path / "unknown"))
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["architectures"] = ["FancyNewForCausalLM"]
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    set_architecture(path, "FancyNewForCausalLM")
     with pytest.raises(ValueError, match="FancyNewForCausalLM") as info:
         make_llm(path)
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):

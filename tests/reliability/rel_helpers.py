@@ -6,11 +6,8 @@ The `kvtide serve` launcher and probes are tests/server/serve_helpers.py's, reus
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -26,6 +23,8 @@ from serve_helpers import (  # noqa: E402
     ServerHandle,
     free_port,
     pid_alive,
+    sse_events,
+    start_server,
     wait_idle,
     wait_ready,
 )
@@ -47,21 +46,9 @@ FIGURES: dict[str, Any] = {}
 
 def start(model: str, *extra_args: str, env: dict[str, str] | None = None,
           api_key: str | None = API_KEY) -> ServerHandle:
-    """serve_helpers.start_server with extra environment variables (e.g. KVTIDE_FAULT_INJECT)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="kvtide-rel-", suffix=".log", delete=False)
-    args = [sys.executable, "-m", "kvtide.cli", "serve", model, "--port", str(port),
-            "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-request-body", str(MAX_REQUEST_BODY), *extra_args]
-    if api_key:
-        args += ["--api-key", api_key]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KVTIDE_LOG_LEVEL="WARNING")
-    full_env.pop("KVTIDE_API_KEY", None)
-    full_env.pop("KVTIDE_FAULT_INJECT", None)
-    full_env.update(env or {})
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
-    log.close()
-    return ServerHandle(proc, port, api_key, log.name)
+    """serve_helpers.start_server with extra environment variables (e.g. KVTIDE_FAULT_INJECT) and
+    warnings-only logs (the load run would write a line per request)."""
+    return start_server(model, *extra_args, api_key=api_key, env=env, log_level="WARNING")
 
 
 def bytes_per_block(block_size: int = 16, layers: int = 4, kv_heads: int = 2, head_dim: int = 32) -> int:
@@ -103,16 +90,6 @@ def check_error_body(body: Any) -> dict:
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] is None or isinstance(error["code"], str), error
     return error
-
-
-def sse_events(lines) -> list:
-    """data: lines -> parsed JSON events, with the literal "[DONE]" kept as a string."""
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.02) -> float:

@@ -7,7 +7,6 @@ about what one does).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -16,6 +15,7 @@ import sys
 import time
 
 import pytest
+from checkpoint_edits import set_architecture
 from rel_helpers import FIGURES, bytes_per_block, free_port
 
 EXIT_WITHIN_S = 90.0
@@ -42,12 +42,7 @@ def _remove_tokenizer(model: str) -> None:
 
 
 def _unknown_architecture(model: str) -> None:
-    path = os.path.join(model, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["architectures"] = ["FooBarForCausalLM"]
-    with open(path, "w") as f:
-        json.dump(config, f)
+    set_architecture(model, "FooBarForCausalLM")
 
 
 # name -> (how to break a copy of the checkpoint, extra flags, words the last line must hold)

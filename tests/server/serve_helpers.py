@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -85,9 +86,10 @@ def launch_server(model: str, *extra_args: str, api_key: str | None = API_KEY) -
     return wait_ready(start_server(model, *extra_args, api_key=api_key))
 
 
-def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY) -> ServerHandle:
+def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None,
+                 log_level: str = "INFO") -> ServerHandle:
     """Start a server process without waiting (start several, then wait_ready each: they load in
-    parallel)."""
+    parallel). `env` adds variables (e.g. KVTIDE_FAULT_INJECT, which is otherwise never inherited)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="kvtide-serve-", suffix=".log", delete=False)
     args = [sys.executable, "-m", "kvtide.cli", "serve", model, "--port", str(port),
@@ -96,9 +98,11 @@ def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY) ->
     if api_key:
         args += ["--api-key", api_key]
     # One thread per process: the test machine's cores are shared.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KVTIDE_LOG_LEVEL="INFO")
-    env.pop("KVTIDE_API_KEY", None)
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KVTIDE_LOG_LEVEL=log_level)
+    full_env.pop("KVTIDE_API_KEY", None)
+    full_env.pop("KVTIDE_FAULT_INJECT", None)
+    full_env.update(env or {})
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
     log.close()
     return ServerHandle(proc, port, api_key, log.name)
 
@@ -138,3 +142,13 @@ def wait_idle(server: ServerHandle, timeout_s: float = 20.0) -> dict:
             return stats
         time.sleep(0.05)
     raise AssertionError(f"engine still busy after {timeout_s} s: {stats}")
+
+
+def sse_events(lines) -> list:
+    """`data:` lines of an SSE stream -> parsed JSON events, the final "[DONE]" kept as the string."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -4,25 +4,15 @@ seat, one waiting seat) end inside these tests."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
 
 import httpx
-from serve_helpers import MODEL_NAME, ServerHandle, pid_alive, wait_idle
+from serve_helpers import MODEL_NAME, ServerHandle, pid_alive, sse_events, wait_idle
 
 CMPL = "/v1/completions"
-
-
-def _events(lines) -> list:
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def _open_stream(server: ServerHandle, client: httpx.Client, max_tokens: int):
@@ -85,7 +75,7 @@ def test_engine_core_kill_9(small_server):
             _wait_for(lambda: httpx.get(small.url("/health"), timeout=2.0).status_code == 503, 2.0,
                       "/health to turn 503")
             assert time.monotonic() - killed_at < 2.0
-            events = _events(lines)
+            events = sse_events(lines)
         finally:
             context.__exit__(None, None, None)
     assert events[-1] == "[DONE]"
@@ -107,7 +97,7 @@ def test_sigterm_drains_then_exits_0(drain_server):
             r = c.post(CMPL, json={"model": MODEL_NAME, "prompt": "late", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
             assert httpx.get(drain.url("/health")).status_code == 503
-            events = _events(lines)  # the request in flight runs to its end
+            events = sse_events(lines)  # the request in flight runs to its end
         finally:
             context.__exit__(None, None, None)
     assert events[-1] == "[DONE]"

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
-from serve_helpers import API_KEY, MAX_MODEL_LEN, MODEL_NAME, wait_idle
-
-
-def sse_events(response: httpx.Response) -> list:
-    """Parsed `data:` events of an SSE response; the final [DONE] as the string '[DONE]'."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+from serve_helpers import API_KEY, MAX_MODEL_LEN, MODEL_NAME, sse_events, wait_idle
 
 
 def test_models_version_health(server):
@@ -193,7 +182,7 @@ def test_raw_sse_framing(server):
             with c.stream("POST", path, json=body) as r:
                 assert r.status_code == 200
                 assert r.headers["content-type"].startswith("text/event-stream")
-                events = sse_events(r)
+                events = sse_events(r.iter_lines())
             assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
             assert all(e["id"] == events[0]["id"] and e["model"] == MODEL_NAME for e in events[:-1])
 
