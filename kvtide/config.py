@@ -119,6 +119,8 @@ class DeviceConfig:
     """'torch' (reference, any device) or 'triton' (GPU kernels)."""
     enforce_eager: bool = False
     """Never capture or replay CUDA graphs (decode steps run eagerly)."""
+    cpu_weight_prepack: str = "auto"
+    """'auto', 'on' or 'off': MKL-prepacked float32 linear weights on CPU (layers/cpu_prepack.py)."""
 
 
 @dataclass(frozen=True)

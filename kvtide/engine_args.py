@@ -20,6 +20,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
+from kvtide.layers.cpu_prepack import MODES as PREPACK_MODES
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -66,6 +67,10 @@ class EngineArgs:
     """auto, torch, torch_ref (the slow reference) or triton (auto: triton on CUDA, torch elsewhere)."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA with the triton backend)."""
+    cpu_weight_prepack: str = "auto"
+    """auto, on or off: keep an MKL-prepacked copy of each float32 linear weight on CPU, used for
+    steps of 16-256 tokens (about 20% faster decode, bit-identical results; costs the weights' size
+    again in memory; auto: on when the copies fit in a quarter of free memory)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -157,6 +162,9 @@ class EngineArgs:
                              f"({max_model_len}) when chunked prefill is off")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.cpu_weight_prepack not in PREPACK_MODES:
+            raise ValueError(f"cpu_weight_prepack must be one of {', '.join(PREPACK_MODES)}; "
+                             f"got {self.cpu_weight_prepack!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
@@ -174,7 +182,8 @@ class EngineArgs:
                                              policy=self.scheduling_policy,
                                              max_waiting_requests=self.max_waiting_requests),
             device_config=DeviceConfig(device=device, attention_backend=backend,
-                                       enforce_eager=self.enforce_eager),
+                                       enforce_eager=self.enforce_eager,
+                                       cpu_weight_prepack=self.cpu_weight_prepack),
         )
 
     def replace(self, **kwargs) -> EngineArgs:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtide.layers.cpu_prepack import linear
 from kvtide.layers.linear import default_weight_loader
 
 
@@ -21,8 +22,13 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.prepacked: torch.Tensor | None = None
+        """MKL-packed copy of `weight` on CPU (layers/cpu_prepack.py), else None."""
+
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+        return linear(hidden_states, self.weight, None, self.prepacked)
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

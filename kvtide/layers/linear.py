@@ -8,8 +8,9 @@ classes are where a rank would take its slice; at world size 1 they hold everyth
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvtide.layers.cpu_prepack import linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -31,9 +32,11 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.prepacked: torch.Tensor | None = None
+        """MKL-packed copy of `weight` on CPU (layers/cpu_prepack.py), else None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.prepacked)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)

@@ -14,6 +14,7 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
+from kvtide.layers.cpu_prepack import prepack_weights
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
 from kvtide.sampling.ops import compute_top_logprobs
@@ -77,6 +78,7 @@ class ModelRunner:
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
+            prepack_weights(self.model, config.device_config.cpu_weight_prepack)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
