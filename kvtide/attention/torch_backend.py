@@ -12,23 +12,26 @@ Its cache layout differs from the reference's so a decode step copies the contex
     prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
              with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
 
-Decode mirror: a decode batch usually comes back next step unchanged but one token longer. So
-each layer keeps its last gathered context (with headroom) and, while the rows match (same
-`row_uids`, each seq_len one more), only writes the new token into it: the context is then read
-once per step, not gathered, written and read again. It is built only for a batch that came back
-unchanged MIRROR_AFTER_STEPS times in a row: under a server's churn (a request joins or ends every
-few steps) a mirror would be rebuilt about as often as it is used, each build costing three
-gathers' worth of copying. Its memory is bounded per layer (MIRROR_MAX_BYTES).
+Decode mirror: each layer keeps its decode rows' contexts in slots of one contiguous buffer,
+(2, slots, H_kv, capacity, D). A request holds its slot while it decodes, so a step only writes its
+new token there; only a row that is new to the mirror (just prefilled, resumed, or re-received)
+copies its context from the paged cache, once. The step then attends over the slots in use as one
+batch: rows of requests that left (holes) get zero queries and are dropped from the output. A
+server's churn (a request joining or ending every few steps) thus costs one context copy per
+arrival, not a gather of the whole batch each step. The slot map is built once per step and shared
+by all layers; each layer's buffer records the step it reflects and is refilled whole if it missed one.
+Its memory is bounded per layer (MIRROR_MAX_BYTES).
 
-Without a mirror the contexts are gathered a few rows at a time (GATHER_CHUNK_BYTES), each chunk
-attended while it is still in cache: gathering a whole large batch at once writes a copy of every
-context to memory and reads it back, which made the gather most of a busy server's step.
+Without a mirror (over that bound) the contexts are gathered a few rows at a time
+(GATHER_CHUNK_BYTES), each chunk attended while it is still in cache: gathering a whole large batch
+at once writes a copy of every context to memory and reads it back.
 
 Checked against torch_ref.py on random mixed batches in tests/attention.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +46,42 @@ subnormal float, and x86 cores multiply subnormals through slow microcode assist
 model P @ V ran over 2x slower for it (see `_softmax_without_subnormals`)."""
 GATHER_CHUNK_BYTES = 8 << 20
 """Contexts gathered at once on the chunked decode path: small enough to stay in cache."""
-MIRROR_AFTER_STEPS = 3
-"""Steps a decode batch must come back unchanged (one token longer) before a mirror is built."""
-MIRROR_MAX_BYTES = 96 << 20
+MIRROR_MAX_BYTES = 128 << 20
 """Largest decode mirror kept for one layer."""
-MIRROR_HEADROOM_TOKENS = 256
-"""Context growth a mirror absorbs before it is rebuilt larger."""
+MIRROR_HEADROOM_TOKENS = 128
+"""Context growth a mirror absorbs before it is reallocated larger."""
+MAX_HOLES = 8
+"""Free slots below the highest one in use tolerated beyond half the rows, before the slots are
+reassigned compactly (and every layer's mirror refilled)."""
 
 
 @dataclass
 class _DecodeMirror:
     buf: torch.Tensor
-    """(2, H_kv, num_decodes, capacity, D): each decode row's context, contiguous."""
-    row_uids: list[int]
-    seq_lens: list[int]
+    """(2, slots, H_kv, capacity, D): each slot one decoding request's context, contiguous per
+    head. Slot-major, so the slots in use and the heads merge into one bmm batch dimension."""
+    step: int
+    """The _SlotPlan.step whose contexts it holds."""
+
+
+@dataclass
+class _SlotPlan:
+    """One step's decode rows on mirror slots, built at the first layer and shared by all."""
+    step: int
+    slots: torch.Tensor
+    """(num_decodes,) int64: each row's slot."""
+    num_slots: int
+    """Highest slot in use + 1: the batch the layers attend over."""
+    fill_rows: torch.Tensor
+    """Rows whose slot must be copied whole from the paged cache (new to the mirror)."""
+    append_rows: torch.Tensor
+    """Rows one token longer than last step: only their newest K/V is written..."""
+    append_positions: torch.Tensor
+    """...at these positions (seq_len - 1)."""
+    reset: bool
+    """Slots reassigned: every layer refills every row."""
+    identity: bool
+    """Row i is in slot i and there are no holes: attend the rows as they are."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -65,9 +90,14 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._mirrors: dict[int, _DecodeMirror] = {}
         """Per layer (keyed by its cache's data pointer)."""
-        self._last_batch: dict[int, tuple[list[int], list[int], int]] = {}
-        """Per layer, the (row_uids, seq_lens) of its last decode batch without a mirror, and for
-        how many steps in a row that batch has come back."""
+        self._slot_of: dict[int, int] = {}
+        """Row uid -> its mirror slot, for the requests of the last decode batch."""
+        self._len_of: dict[int, int] = {}
+        """Row uid -> its seq_len in the last decode batch."""
+        self._free_slots: list[int] = []
+        """Freed slots below _num_slots (a min-heap: the lowest is reused first)."""
+        self._num_slots = 0
+        self._step = 0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -148,18 +178,28 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads = kv_cache.shape[1]
         block_ids, bias = self._decode_layout(md, window, query.dtype)
         group = num_heads // num_kv_heads
-        # (num_decodes, H, D) -> (H_kv, num_decodes, group, D)
-        q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
-        kv = self._mirrored_context(kv_cache, md, block_ids, new_kv)  # (2, H_kv, num_decodes, ctx, D)
-        if kv is not None:
-            out = _attend(q, kv, bias)
-        else:
-            out = torch.empty_like(q)
-            row_bytes = 2 * num_kv_heads * block_ids.shape[1] * kv_cache.shape[3] * head_dim * kv_cache.element_size()
-            rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
-            for first in range(0, num_decodes, rows):
-                chunk = slice(first, first + rows)
-                out[:, chunk] = _attend(q[:, chunk], self._gather(kv_cache, block_ids[chunk]), bias[chunk])
+        q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim)
+        mirrored = self._mirrored_context(kv_cache, md, block_ids, new_kv)
+        if mirrored is not None:
+            kv, plan = mirrored  # (2, num_slots, H_kv, ctx, D)
+            bias = bias.unsqueeze(1)  # (num_decodes, 1, 1, ctx)
+            if plan.identity:
+                out = _attend(q, kv, bias)
+            else:  # holes: zero queries, visible everywhere (finite, then dropped)
+                q_slots = q.new_zeros(plan.num_slots, num_kv_heads, group, head_dim)
+                q_slots[plan.slots] = q
+                bias_slots = bias.new_zeros(plan.num_slots, *bias.shape[1:])
+                bias_slots[plan.slots] = bias
+                out = _attend(q_slots, kv, bias_slots)[plan.slots]
+            return out.reshape(num_decodes, num_heads, head_dim)
+        # Gathered contexts come head-major: (2, H_kv, rows, ctx, D), queries (H_kv, rows, group, D).
+        q = q.transpose(0, 1)
+        out = torch.empty_like(q)
+        row_bytes = 2 * num_kv_heads * block_ids.shape[1] * kv_cache.shape[3] * head_dim * kv_cache.element_size()
+        rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
+        for first in range(0, num_decodes, rows):
+            chunk = slice(first, first + rows)
+            out[:, chunk] = _attend(q[:, chunk], self._gather(kv_cache, block_ids[chunk]), bias[chunk])
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -170,49 +210,93 @@ class TorchAttentionBackend(AttentionBackend):
         kv = kv.index_select(1, block_ids.flatten())
         return kv.view(2, num_kv_heads, block_ids.shape[0], block_ids.shape[1] * block_size, head_dim)
 
+    def _slot_plan(self, md: AttentionMetadata) -> _SlotPlan:
+        """This step's rows on slots: a request keeps its slot while it decodes; a new one takes the
+        lowest free slot; slots of requests that left are freed. Built once per step."""
+        if "torch_slot_plan" in md.backend_data:
+            return md.backend_data["torch_slot_plan"]
+        uids, seq_lens = md.row_uids[:md.num_decodes], md.seq_lens_cpu[:md.num_decodes]
+        present = set(uids)
+        for uid in [u for u in self._slot_of if u not in present]:
+            heapq.heappush(self._free_slots, self._slot_of.pop(uid))
+            del self._len_of[uid]
+        reset = len(uids) and self._num_slots - len(self._slot_of) > len(uids) // 2 + MAX_HOLES
+        if reset:  # too many holes: reassign compactly
+            self._slot_of, self._len_of, self._free_slots, self._num_slots = {}, {}, [], 0
+        slots, fills, appends = [], [], []
+        for row, (uid, seq_len) in enumerate(zip(uids, seq_lens, strict=True)):
+            slot = self._slot_of.get(uid)
+            if slot is None:
+                if self._free_slots:
+                    slot = heapq.heappop(self._free_slots)
+                else:
+                    slot, self._num_slots = self._num_slots, self._num_slots + 1
+                self._slot_of[uid] = slot
+                fills.append(row)
+            elif self._len_of[uid] == seq_len - 1:
+                appends.append(row)
+            else:
+                fills.append(row)
+            self._len_of[uid] = seq_len
+            slots.append(slot)
+        while self._free_slots and self._num_slots - 1 in self._free_slots:  # trim the top
+            self._free_slots.remove(self._num_slots - 1)
+            heapq.heapify(self._free_slots)
+            self._num_slots -= 1
+        self._step += 1
+        device = md.seq_lens.device
+        plan = _SlotPlan(self._step, torch.tensor(slots, dtype=torch.int64, device=device), self._num_slots,
+                         torch.tensor(fills, dtype=torch.int64, device=device),
+                         torch.tensor(appends, dtype=torch.int64, device=device),
+                         torch.tensor([seq_lens[r] - 1 for r in appends], dtype=torch.int64, device=device),
+                         bool(reset), slots == list(range(len(slots))) and self._num_slots == len(slots))
+        md.backend_data["torch_slot_plan"] = plan
+        return plan
+
     def _mirrored_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
-                          new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-        """The decode rows' contexts from the layer's mirror, when it holds this batch or the batch
-        has now come back unchanged MIRROR_AFTER_STEPS times (the mirror is then built); None:
-        gather them in chunks."""
+                          new_kv: tuple[torch.Tensor, torch.Tensor] | None
+                          ) -> tuple[torch.Tensor, _SlotPlan] | None:
+        """The decode rows' contexts as this layer's mirror slots (brought up to this step), with
+        the step's slot plan; None where there is no mirror (over its memory bound): gather then."""
         num_decodes = md.num_decodes
-        ctx = block_ids.shape[1] * kv_cache.shape[3]
-        uids, seq_lens = md.row_uids[:num_decodes], md.seq_lens_cpu[:num_decodes]
+        if new_kv is None or len(md.row_uids) < num_decodes:
+            return None
+        plan = self._slot_plan(md)
+        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+        ctx = block_ids.shape[1] * block_size
         layer = kv_cache.data_ptr()
         mirror = self._mirrors.get(layer)
-        if (mirror is not None and new_kv is not None and ctx <= mirror.buf.shape[3]
-                and _one_token_longer(mirror.row_uids, mirror.seq_lens, uids, seq_lens)):
-            rows, positions = self._new_token_slots(md)
-            mirror.buf[0][:, rows, positions] = new_kv[0].transpose(0, 1)
-            mirror.buf[1][:, rows, positions] = new_kv[1].transpose(0, 1)
-            mirror.seq_lens = seq_lens
-            return mirror.buf[:, :, :, :ctx]
-        self._mirrors.pop(layer, None)
-        last = self._last_batch.pop(layer, None)
-        _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-        capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
-        nbytes = 2 * num_kv_heads * num_decodes * capacity * head_dim * kv_cache.element_size()
-        if len(uids) != num_decodes or new_kv is None or nbytes > MIRROR_MAX_BYTES:
-            return None
-        steps = last[2] + 1 if last is not None and _one_token_longer(last[0], last[1], uids, seq_lens) else 1
-        if steps <= MIRROR_AFTER_STEPS:
-            self._last_batch[layer] = (list(uids), list(seq_lens), steps)
-            return None
-        kv = self._gather(kv_cache, block_ids)
-        # Zeroed, not empty: the headroom is read (masked) once ctx grows into it, and masked
-        # garbage can still be NaN, which the -inf mask does not cancel (0 * NaN = NaN).
-        buf = kv.new_zeros(2, num_kv_heads, num_decodes, capacity, head_dim)
-        buf[:, :, :, :ctx] = kv
-        self._mirrors[layer] = _DecodeMirror(buf, list(uids), list(seq_lens))
-        return kv
-
-    @staticmethod
-    def _new_token_slots(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, positions) of each decode row's newest token, built once per step."""
-        if "torch_new_token_slots" not in md.backend_data:
-            rows = torch.arange(md.num_decodes, device=md.seq_lens.device)
-            md.backend_data["torch_new_token_slots"] = (rows, md.seq_lens[:md.num_decodes].long() - 1)
-        return md.backend_data["torch_new_token_slots"]
+        current = mirror is not None and mirror.step == plan.step - 1 and not plan.reset
+        if mirror is None or mirror.buf.shape[1] < plan.num_slots or mirror.buf.shape[3] < ctx:
+            num_slots = plan.num_slots + max(8, plan.num_slots // 4)
+            capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
+            if mirror is not None:  # grow only: never below what the mirror already holds
+                num_slots, capacity = max(num_slots, mirror.buf.shape[1]), max(capacity, mirror.buf.shape[3])
+            nbytes = 2 * num_kv_heads * num_slots * capacity * head_dim * kv_cache.element_size()
+            if nbytes > MIRROR_MAX_BYTES:
+                self._mirrors.pop(layer, None)
+                return None
+            # Zeroed, not empty: unused slots and the headroom are read (masked or dropped), and
+            # garbage can be NaN, which a -inf mask does not cancel (0 * NaN = NaN).
+            buf = kv_cache.new_zeros(2, num_slots, num_kv_heads, capacity, head_dim)
+            if current:
+                old = mirror.buf  # type: ignore[union-attr]
+                buf[:, :old.shape[1], :, :old.shape[3]] = old
+            mirror = _DecodeMirror(buf, mirror.step if current else -1)  # type: ignore[union-attr]
+            self._mirrors[layer] = mirror
+        buf = mirror.buf
+        if current:
+            fill_rows = plan.fill_rows
+            if plan.append_rows.numel():
+                rows, slots, positions = plan.append_rows, plan.slots[plan.append_rows], plan.append_positions
+                buf[0][slots, :, positions] = new_kv[0][rows]  # (rows, H_kv, D)
+                buf[1][slots, :, positions] = new_kv[1][rows]
+        else:
+            fill_rows = torch.arange(num_decodes, device=plan.slots.device)
+        if fill_rows.numel():
+            buf[:, plan.slots[fill_rows], :, :ctx] = self._gather(kv_cache, block_ids[fill_rows]).transpose(1, 2)
+        mirror.step = plan.step
+        return buf[:, :plan.num_slots, :, :ctx], plan
 
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None,
@@ -258,12 +342,8 @@ def _softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (H_kv, rows, group, D), kv (2, H_kv, rows, ctx, D), bias (rows, 1, ctx) -> (H_kv, rows, group, D)."""
-    scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (H_kv, rows, group, ctx)
+    """q (B1, B2, group, D), kv (2, B1, B2, ctx, D), bias broadcastable to (B1, B2, group, ctx)
+    -> (B1, B2, group, D). (B1, B2) is (H_kv, rows) for gathered contexts, (slots, H_kv) for the mirror."""
+    scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (B1, B2, group, ctx)
     probs = _softmax_without_subnormals(scores.float() + bias).to(q.dtype)
     return torch.matmul(probs, kv[1])
-
-
-def _one_token_longer(old_uids: list[int], old_lens: list[int], uids: list[int], seq_lens: list[int]) -> bool:
-    """Whether a decode batch is the previous one, each sequence one token longer."""
-    return old_uids == uids and all(n == old + 1 for n, old in zip(seq_lens, old_lens, strict=True))

@@ -28,7 +28,7 @@ def _generate(model_dir: str, backend: str, **engine):
     dict(kv_cache_memory=10 * BLOCK_BYTES, max_model_len=128),       # forces preemption
 ], ids=["plain", "chunked", "preempting"])
 def test_mirror_matches_reference(llama_dir, monkeypatch, engine):
-    monkeypatch.setattr(torch_backend, "MIRROR_HEADROOM_TOKENS", 8)  # rebuild often as contexts grow
+    monkeypatch.setattr(torch_backend, "MIRROR_HEADROOM_TOKENS", 8)  # reallocate often as contexts grow
     expected, _ = _generate(llama_dir, "torch_ref", **engine)
     actual, llm = _generate(llama_dir, "torch", **engine)
     for e, a in zip(expected, actual, strict=True):
@@ -44,22 +44,61 @@ def test_mirror_matches_reference(llama_dir, monkeypatch, engine):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-def test_mirror_is_built_only_for_a_batch_that_stays(llama_dir):
-    """Under churn (a request joins every step) no mirror is built: it would be thrown away next
-    step. Once arrivals stop, the mirror comes after MIRROR_AFTER_STEPS unchanged steps."""
-    llm = LLM(llama_dir, max_model_len=256, kv_cache_memory="8MiB")
+CHURN_PROMPTS = [[3 + (11 * i + 5 * j) % 250 for j in range(5 + 7 * (i % 5))] for i in range(14)]
+
+
+def _churn(model_dir: str, backend: str, arrivals_per_step: list[int]) -> tuple[dict, LLM]:
+    """A request (or several) joins at each step while earlier ones end at different lengths, as on
+    a busy server; returns each request's (token ids, logprobs)."""
+    llm = LLM(model_dir, attention_backend=backend, max_model_len=256, kv_cache_memory="8MiB",
+              enable_prefix_caching=False)
     engine = llm.engine
-    backend = engine.core.executor.runner.attention_backend
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i in range(10):
-        engine.add_request(engine.next_request_id(), {"prompt_token_ids": PROMPTS[i % len(PROMPTS)]}, params)
-        engine.step()
-        assert not backend._mirrors, f"a mirror was built at churn step {i}"
-    steps = 0
-    while not backend._mirrors:
-        engine.step()
-        steps += 1
-    assert steps == torch_backend.MIRROR_AFTER_STEPS + 1
-    while engine.has_unfinished_requests():
-        engine.step()
+    done: dict[str, tuple] = {}
+    prompts = iter(enumerate(CHURN_PROMPTS))
+    step = 0
+    while True:
+        for _ in range(arrivals_per_step[step] if step < len(arrivals_per_step) else 0):
+            i, prompt = next(prompts, (None, None))
+            if prompt is not None:
+                params = SamplingParams(temperature=0, max_tokens=6 + (len(prompt) * 3) % 17,
+                                        ignore_eos=True, logprobs=2)
+                engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].token_ids, [
+                    {t: round(lp.logprob, 4) for t, lp in d.items()} for d in out.outputs[0].logprobs])
+        step += 1
+        if step >= len(arrivals_per_step) and not engine.has_unfinished_requests():
+            break
     engine.core.check_integrity()
+    return done, llm
+
+
+@pytest.mark.parametrize("max_holes", [1000, 0], ids=["slots-kept", "compacted-often"])
+def test_churn_matches_reference_and_copies_each_context_once(llama_dir, monkeypatch, max_holes):
+    """Under churn the mirror is used from the first decode step, and each layer copies a
+    request's context from the paged cache only when it starts decoding (slots kept), or on every
+    compaction (MAX_HOLES 0: a few holes force one)."""
+    monkeypatch.setattr(torch_backend, "MAX_HOLES", max_holes)
+    arrivals = [1, 0, 2, 1, 0, 0, 3, 1, 1, 0, 2, 1, 1, 1]
+    expected, _ = _churn(llama_dir, "torch_ref", arrivals)
+
+    gathered_rows: list[int] = []
+    real_gather = torch_backend.TorchAttentionBackend._gather
+
+    def counting_gather(self, kv_cache, block_ids):
+        gathered_rows.append(block_ids.shape[0])
+        return real_gather(self, kv_cache, block_ids)
+
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_gather", counting_gather)
+    actual, llm = _churn(llama_dir, "torch", arrivals)
+    assert actual.keys() == expected.keys() and len(actual) == len(CHURN_PROMPTS)
+    for rid, (tokens, logprobs) in expected.items():
+        assert actual[rid][0] == tokens
+        for le, la in zip(logprobs, actual[rid][1], strict=True):
+            assert le.keys() == la.keys() and all(abs(le[t] - la[t]) <= 2e-4 for t in le)
+    layers = len(llm.engine.core.executor.runner.model.attention_layers())
+    if max_holes == 1000:  # each request's context copied once per layer, when it starts decoding
+        assert sum(gathered_rows) == layers * len(CHURN_PROMPTS)
+    else:
+        assert sum(gathered_rows) > layers * len(CHURN_PROMPTS)
