@@ -90,10 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._mirrors: dict[int, _DecodeMirror] = {}
         """Per layer (keyed by its cache's data pointer)."""
-        self._slot_of: dict[int, int] = {}
-        """Row uid -> its mirror slot, for the requests of the last decode batch."""
-        self._len_of: dict[int, int] = {}
-        """Row uid -> its seq_len in the last decode batch."""
+        self._slot_of: dict[int, tuple[int, int]] = {}
+        """Row uid -> (its mirror slot, its seq_len), for the requests of the last decode batch."""
         self._free_slots: list[int] = []
         """Freed slots below _num_slots (a min-heap: the lowest is reused first)."""
         self._num_slots = 0
@@ -218,26 +216,20 @@ class TorchAttentionBackend(AttentionBackend):
         uids, seq_lens = md.row_uids[:md.num_decodes], md.seq_lens_cpu[:md.num_decodes]
         present = set(uids)
         for uid in [u for u in self._slot_of if u not in present]:
-            heapq.heappush(self._free_slots, self._slot_of.pop(uid))
-            del self._len_of[uid]
+            heapq.heappush(self._free_slots, self._slot_of.pop(uid)[0])
         reset = len(uids) and self._num_slots - len(self._slot_of) > len(uids) // 2 + MAX_HOLES
         if reset:  # too many holes: reassign compactly
-            self._slot_of, self._len_of, self._free_slots, self._num_slots = {}, {}, [], 0
+            self._slot_of, self._free_slots, self._num_slots = {}, [], 0
         slots, fills, appends = [], [], []
         for row, (uid, seq_len) in enumerate(zip(uids, seq_lens, strict=True)):
-            slot = self._slot_of.get(uid)
+            slot, last_len = self._slot_of.get(uid, (None, None))
             if slot is None:
                 if self._free_slots:
                     slot = heapq.heappop(self._free_slots)
                 else:
                     slot, self._num_slots = self._num_slots, self._num_slots + 1
-                self._slot_of[uid] = slot
-                fills.append(row)
-            elif self._len_of[uid] == seq_len - 1:
-                appends.append(row)
-            else:
-                fills.append(row)
-            self._len_of[uid] = seq_len
+            (appends if last_len == seq_len - 1 else fills).append(row)
+            self._slot_of[uid] = (slot, seq_len)
             slots.append(slot)
         while self._free_slots and self._num_slots - 1 in self._free_slots:  # trim the top
             self._free_slots.remove(self._num_slots - 1)
