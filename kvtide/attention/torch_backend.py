@@ -12,8 +12,8 @@ Its cache layout differs from the reference's so a decode step copies the contex
     prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
              with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
 
-Decode mirror: each layer keeps its decode rows' contexts in slots of one contiguous buffer,
-(2, slots, H_kv, capacity, D). A request holds its slot while it decodes, so a step only writes its
+Decode mirror: each layer keeps its decode rows' contexts in slots of contiguous buffers (keys
+(slots, H_kv, D, capacity), values (slots, H_kv, capacity, D)). A request holds its slot while it decodes, so a step only writes its
 new token there; only a row that is new to the mirror (just prefilled, resumed, or re-received)
 copies its context from the paged cache, once. The step then attends over the slots in use as one
 batch: rows of requests that left (holes) get zero queries and are dropped from the output. A
@@ -57,9 +57,13 @@ reassigned compactly (and every layer's mirror refilled)."""
 
 @dataclass
 class _DecodeMirror:
-    buf: torch.Tensor
-    """(2, slots, H_kv, capacity, D): each slot one decoding request's context, contiguous per
-    head. Slot-major, so the slots in use and the heads merge into one bmm batch dimension."""
+    """Each slot one decoding request's context. Slot-major, so the slots in use and the heads merge
+    into one bmm batch dimension."""
+    keys_t: torch.Tensor
+    """(slots, H_kv, D, capacity): keys stored transposed, so q @ K^T is a plain matmul (no per-call
+    transpose-packing of K: 30% faster, and bit-identical on MKL: same sums over D)."""
+    values: torch.Tensor
+    """(slots, H_kv, capacity, D)."""
     step: int
     """The _SlotPlan.step whose contexts it holds."""
 
@@ -179,16 +183,16 @@ class TorchAttentionBackend(AttentionBackend):
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim)
         mirrored = self._mirrored_context(kv_cache, md, block_ids, new_kv)
         if mirrored is not None:
-            kv, plan = mirrored  # (2, num_slots, H_kv, ctx, D)
+            keys_t, values, plan = mirrored  # (num_slots, H_kv, D, ctx), (num_slots, H_kv, ctx, D)
             bias = bias.unsqueeze(1)  # (num_decodes, 1, 1, ctx)
             if plan.identity:
-                out = _attend(q, kv, bias)
+                out = _attend(q, keys_t, values, bias)
             else:  # holes: zero queries, visible everywhere (finite, then dropped)
                 q_slots = q.new_zeros(plan.num_slots, num_kv_heads, group, head_dim)
                 q_slots[plan.slots] = q
                 bias_slots = bias.new_zeros(plan.num_slots, *bias.shape[1:])
                 bias_slots[plan.slots] = bias
-                out = _attend(q_slots, kv, bias_slots)[plan.slots]
+                out = _attend(q_slots, keys_t, values, bias_slots)[plan.slots]
             return out.reshape(num_decodes, num_heads, head_dim)
         # Gathered contexts come head-major: (2, H_kv, rows, ctx, D), queries (H_kv, rows, group, D).
         q = q.transpose(0, 1)
@@ -197,7 +201,8 @@ class TorchAttentionBackend(AttentionBackend):
         rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
         for first in range(0, num_decodes, rows):
             chunk = slice(first, first + rows)
-            out[:, chunk] = _attend(q[:, chunk], self._gather(kv_cache, block_ids[chunk]), bias[chunk])
+            kv = self._gather(kv_cache, block_ids[chunk])
+            out[:, chunk] = _attend(q[:, chunk], kv[0].transpose(-1, -2), kv[1], bias[chunk])
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -247,7 +252,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _mirrored_context(self, kv_cache: torch.Tensor, md: AttentionMetadata, block_ids: torch.Tensor,
                           new_kv: tuple[torch.Tensor, torch.Tensor] | None
-                          ) -> tuple[torch.Tensor, _SlotPlan] | None:
+                          ) -> tuple[torch.Tensor, torch.Tensor, _SlotPlan] | None:
         """The decode rows' contexts as this layer's mirror slots (brought up to this step), with
         the step's slot plan; None where there is no mirror (over its memory bound): gather then."""
         num_decodes = md.num_decodes
@@ -259,36 +264,41 @@ class TorchAttentionBackend(AttentionBackend):
         layer = kv_cache.data_ptr()
         mirror = self._mirrors.get(layer)
         current = mirror is not None and mirror.step == plan.step - 1 and not plan.reset
-        if mirror is None or mirror.buf.shape[1] < plan.num_slots or mirror.buf.shape[3] < ctx:
+        if mirror is None or mirror.values.shape[0] < plan.num_slots or mirror.values.shape[2] < ctx:
             num_slots = plan.num_slots + max(8, plan.num_slots // 4)
             capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
             if mirror is not None:  # grow only: never below what the mirror already holds
-                num_slots, capacity = max(num_slots, mirror.buf.shape[1]), max(capacity, mirror.buf.shape[3])
+                num_slots, capacity = max(num_slots, mirror.values.shape[0]), max(capacity, mirror.values.shape[2])
             nbytes = 2 * num_kv_heads * num_slots * capacity * head_dim * kv_cache.element_size()
             if nbytes > MIRROR_MAX_BYTES:
                 self._mirrors.pop(layer, None)
                 return None
             # Zeroed, not empty: unused slots and the headroom are read (masked or dropped), and
             # garbage can be NaN, which a -inf mask does not cancel (0 * NaN = NaN).
-            buf = kv_cache.new_zeros(2, num_slots, num_kv_heads, capacity, head_dim)
+            keys_t = kv_cache.new_zeros(num_slots, num_kv_heads, head_dim, capacity)
+            values = kv_cache.new_zeros(num_slots, num_kv_heads, capacity, head_dim)
             if current:
-                old = mirror.buf  # type: ignore[union-attr]
-                buf[:, :old.shape[1], :, :old.shape[3]] = old
-            mirror = _DecodeMirror(buf, mirror.step if current else -1)  # type: ignore[union-attr]
+                old_slots, old_capacity = mirror.values.shape[0], mirror.values.shape[2]  # type: ignore[union-attr]
+                keys_t[:old_slots, ..., :old_capacity] = mirror.keys_t  # type: ignore[union-attr]
+                values[:old_slots, :, :old_capacity] = mirror.values  # type: ignore[union-attr]
+            mirror = _DecodeMirror(keys_t, values, mirror.step if current else -1)  # type: ignore[union-attr]
             self._mirrors[layer] = mirror
-        buf = mirror.buf
+        keys_t, values = mirror.keys_t, mirror.values
         if current:
             fill_rows = plan.fill_rows
             if plan.append_rows.numel():
                 rows, slots, positions = plan.append_rows, plan.slots[plan.append_rows], plan.append_positions
-                buf[0][slots, :, positions] = new_kv[0][rows]  # (rows, H_kv, D)
-                buf[1][slots, :, positions] = new_kv[1][rows]
+                keys_t[slots, :, :, positions] = new_kv[0][rows]  # (rows, H_kv, D) either side
+                values[slots, :, positions] = new_kv[1][rows]
         else:
             fill_rows = torch.arange(num_decodes, device=plan.slots.device)
         if fill_rows.numel():
-            buf[:, plan.slots[fill_rows], :, :ctx] = self._gather(kv_cache, block_ids[fill_rows]).transpose(1, 2)
+            kv = self._gather(kv_cache, block_ids[fill_rows])  # (2, H_kv, rows, ctx, D)
+            fill_slots = plan.slots[fill_rows]
+            keys_t[fill_slots, :, :, :ctx] = kv[0].permute(1, 0, 3, 2)
+            values[fill_slots, :, :ctx] = kv[1].transpose(0, 1)
         mirror.step = plan.step
-        return buf[:, :plan.num_slots, :, :ctx], plan
+        return keys_t[:plan.num_slots, :, :, :ctx], values[:plan.num_slots, :, :ctx], plan
 
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None,
@@ -333,9 +343,10 @@ def _softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (B1, B2, group, D), kv (2, B1, B2, ctx, D), bias broadcastable to (B1, B2, group, ctx)
-    -> (B1, B2, group, D). (B1, B2) is (H_kv, rows) for gathered contexts, (slots, H_kv) for the mirror."""
-    scores = torch.matmul(q, kv[0].transpose(-1, -2))  # (B1, B2, group, ctx)
+def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q (B1, B2, group, D), keys_t (B1, B2, D, ctx), values (B1, B2, ctx, D), bias broadcastable to
+    (B1, B2, group, ctx) -> (B1, B2, group, D). (B1, B2) is (H_kv, rows) for gathered contexts,
+    (slots, H_kv) for the mirror."""
+    scores = torch.matmul(q, keys_t)  # (B1, B2, group, ctx)
     probs = _softmax_without_subnormals(scores.float() + bias).to(q.dtype)
-    return torch.matmul(probs, kv[1])
+    return torch.matmul(probs, values)
