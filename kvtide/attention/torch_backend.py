@@ -1,14 +1,12 @@
 """The fast PyTorch backend (CPU default): head-major paged cache, decode as two batched matmuls.
 
-Its cache layout differs from the reference's so a decode step copies the context once:
-
     kv_cache: (2, num_kv_heads, num_blocks, block_size, head_dim)
 
-    decode:  blocks of all decoding requests gathered along dim 2 in one index_select
-             -> (2, H_kv, num_decodes, ctx, D): each (ctx, D) matrix is contiguous and the
-             (H_kv, num_decodes) batch dims merge, so q @ K^T and P @ V run as plain bmm with no
-             further copy. (SDPA on the reference layout needs the gather plus a transpose copy, and
-             its flash kernel is built for query blocks, not one query per request.)
+    decode:  attends over the decode mirror below, or over blocks gathered along dim 2 with one
+             index_select -> (2, H_kv, rows, ctx, D), where each (ctx, D) matrix is contiguous and
+             (H_kv, rows) merge into one bmm batch with no further copy. (SDPA on the reference
+             layout needs the gather plus a transpose copy, and its flash kernel is built for query
+             blocks, not one query per request.)
     prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
              with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
 
