@@ -76,8 +76,10 @@ class _SlotPlan:
     """Highest slot in use + 1: the batch the layers attend over."""
     fill_rows: torch.Tensor
     """Rows whose slot must be copied whole from the paged cache (new to the mirror)."""
-    append_rows: torch.Tensor
-    """Rows one token longer than last step: only their newest K/V is written..."""
+    append_rows: torch.Tensor | None
+    """Rows one token longer than last step: only their newest K/V is written (None: every row)..."""
+    append_slots: torch.Tensor
+    """...into these slots..."""
     append_positions: torch.Tensor
     """...at these positions (seq_len - 1)."""
     reset: bool
@@ -240,10 +242,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._num_slots -= 1
         self._step += 1
         device = md.seq_lens.device
-        plan = _SlotPlan(self._step, torch.tensor(slots, dtype=torch.int64, device=device), self._num_slots,
-                         torch.tensor(fills, dtype=torch.int64, device=device),
-                         torch.tensor(appends, dtype=torch.int64, device=device),
-                         torch.tensor([seq_lens[r] - 1 for r in appends], dtype=torch.int64, device=device),
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        plan = _SlotPlan(self._step, index(slots), self._num_slots, index(fills),
+                         None if len(appends) == len(uids) else index(appends),
+                         index([slots[r] for r in appends]), index([seq_lens[r] - 1 for r in appends]),
                          bool(reset), slots == list(range(len(slots))) and self._num_slots == len(slots))
         md.backend_data["torch_slot_plan"] = plan
         return plan
@@ -284,10 +289,11 @@ class TorchAttentionBackend(AttentionBackend):
         keys_t, values = mirror.keys_t, mirror.values
         if current:
             fill_rows = plan.fill_rows
-            if plan.append_rows.numel():
-                rows, slots, positions = plan.append_rows, plan.slots[plan.append_rows], plan.append_positions
-                keys_t[slots, :, :, positions] = new_kv[0][rows]  # (rows, H_kv, D) either side
-                values[slots, :, positions] = new_kv[1][rows]
+            if plan.append_slots.numel():
+                rows, slots, positions = plan.append_rows, plan.append_slots, plan.append_positions
+                new_keys, new_values = new_kv if rows is None else (new_kv[0][rows], new_kv[1][rows])
+                keys_t[slots, :, :, positions] = new_keys  # (rows, H_kv, D) either side
+                values[slots, :, positions] = new_values
         else:
             fill_rows = torch.arange(num_decodes, device=plan.slots.device)
         if fill_rows.numel():

@@ -70,6 +70,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def forward_qk(self, cos_sin: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, num_q_heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk (T, H + H_kv, D), queries then keys side by side as in a fused qkv -> rotated q, k.
+        One rotation over both: half the (small, per-call-bound) elementwise ops of forward."""
+        cos, sin = cos_sin
+        rotated = _rotate(qk, cos, sin)
+        return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]: bit-identical to transformers'

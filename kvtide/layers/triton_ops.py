@@ -124,6 +124,10 @@ class TritonRotaryEmbedding(RotaryEmbedding):
         """Like RotaryEmbedding.forward, but q and k are rotated in place (and returned)."""
         return rotary_embedding_(cos_sin, q, k)
 
+    def forward_qk(self, cos_sin: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, num_q_heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding_(cos_sin, qk[:, :num_q_heads], qk[:, num_q_heads:])
+
 
 # ---- SiLU and mul --------------------------------------------------------------------------------
 @triton.jit

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtide.sampling.metadata import SamplingMetadata
-from kvtide.sampling.ops import apply_min_p, apply_penalties, apply_top_k_top_p, compute_top_logprobs
+from kvtide.sampling.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, argmax_first,
+                                 compute_top_logprobs)
 from kvtide.scheduler.output import TopLogprobs
 
 
@@ -52,11 +53,11 @@ class Sampler:
             logits = apply_penalties(logits, md)
 
         if md.all_greedy:
-            sampled = logits.max(dim=-1).indices  # argmax's first-max rule, but a faster kernel on CPU
+            sampled = argmax_first(logits)
         else:
             sampled = self._sample_random(logits, md)
             if not md.all_random:
-                sampled = torch.where(md.greedy_mask, logits.max(dim=-1).indices, sampled)
+                sampled = torch.where(md.greedy_mask, argmax_first(logits), sampled)
 
         token_ids = sampled.tolist()
         logprobs: list[TopLogprobs | None] = [None] * len(token_ids)
@@ -77,7 +78,7 @@ class Sampler:
             q.exponential_(generator=self._generator(q.device))
         for row, generator in md.generators.items():
             q[row].exponential_(generator=generator)
-        return probs.div(q).argmax(dim=-1)
+        return argmax_first(probs.div(q))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtide.sampling.metadata import RowState, SamplingMetadata
-from kvtide.sampling.ops import apply_min_p, apply_penalties, apply_top_k_top_p
+from kvtide.sampling.ops import ARGMAX_BLOCK, apply_min_p, apply_penalties, apply_top_k_top_p, argmax_first
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 
@@ -88,6 +88,21 @@ def ref_penalties(x: np.ndarray, r: RowState) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- masks
+
+@pytest.mark.parametrize("vocab", [1, 7, ARGMAX_BLOCK - 1, ARGMAX_BLOCK, 2 * ARGMAX_BLOCK,
+                                   2 * ARGMAX_BLOCK + 1, 5 * ARGMAX_BLOCK - 3, 32000])
+def test_argmax_first_matches_numpy_first_max(vocab):
+    """The blocked CPU argmax against np.argmax (first maximum), on rows full of ties, -inf, NaN."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-4, 4, (9, vocab), generator=gen).float()  # few values: ties everywhere
+    x[1] = float("-inf")
+    x[2, -1] = 10.0  # the maximum in the last column (a short last block)
+    x[3, x[3] < 3] = float("-inf")
+    x[4, vocab // 2] = float("nan")  # NaN wins, as in np.argmax
+    x[5] = torch.randn(vocab, generator=gen)  # one clear maximum
+    expected = np.argmax(x.numpy(), axis=-1)
+    assert argmax_first(x).tolist() == expected.tolist()
+
 
 def test_top_k_top_p_masks_match_numpy_reference():
     rng = np.random.default_rng(0)
@@ -251,16 +266,26 @@ def test_chi2_sf_against_known_quantiles():
     assert chi2_sf(5000.0, 7) < 1e-9 and chi2_sf(0.0, 7) == 1.0  # 0 up to rounding
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
-def test_temperature_sampling_matches_softmax(temperature):
-    """Chi-square goodness of fit of N draws over an 8-token vocabulary. With a fixed seed the test
-    is deterministic; the threshold is the 0.1% upper quantile of chi-square(7) (24.32), so a
-    correct sampler fails for 1 seed in 1000, and the wrong-temperature check below shows the
-    test has power at this N."""
+@pytest.mark.parametrize("temperature,columns", [
+    (0.7, None), (1.0, None), (1.6, None),
+    (1.0, [3, ARGMAX_BLOCK - 1, ARGMAX_BLOCK, 700, 701, 2 * ARGMAX_BLOCK + 9, 1033, 1034]),  # across blocks
+])
+def test_temperature_sampling_matches_softmax(temperature, columns):
+    """Chi-square goodness of fit of N draws over an 8-token vocabulary (or 8 tokens spread over a
+    vocabulary of 1035, the rest 1e4 lower). With a fixed seed the test is deterministic; the
+    threshold is the 0.1% upper quantile of chi-square(7) (24.32), so a correct sampler fails for 1
+    seed in 1000, and the wrong-temperature check below shows the test has power at this N."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0]])
     num_draws = 20000
     rows = [row(temperature=temperature)] * num_draws
-    tokens = sample(rows, logits.expand(num_draws, -1).contiguous(), seed=12345).token_ids
+    if columns is None:
+        tokens = sample(rows, logits.expand(num_draws, -1).contiguous(), seed=12345).token_ids
+    else:
+        wide = torch.full((1, columns[-1] + 1), -1e4)  # probability exactly 0 in float32
+        wide[0, columns] = logits[0]
+        drawn = sample(rows, wide.expand(num_draws, -1).contiguous(), seed=12345).token_ids
+        assert set(drawn) <= set(columns)
+        tokens = [columns.index(t) for t in drawn]
     observed = np.bincount(tokens, minlength=8).astype(np.float64)
     expected = np_softmax(logits[0].double().numpy() / temperature) * num_draws
     assert expected.min() >= 5  # the chi-square approximation holds
