@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 
 from kvtide.engine.core import EngineCore
@@ -14,6 +15,8 @@ from kvtide.engine.input_processor import InputProcessor, PromptType
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -58,6 +61,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
+        for out in core_outputs:
+            if out.error is not None:  # offline there is no error object to hand back: say it here
+                logger.warning("request %s failed in the engine (its output ends with finish_reason "
+                               "'abort'): %s", out.request_id, out.error)
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.core.stop_requests(to_abort)

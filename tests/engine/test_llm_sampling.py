@@ -113,3 +113,22 @@ def test_min_tokens_and_ignore_eos_with_eos_forced(llm):
     out = llm.generate(PROMPT, forced.clone(ignore_eos=True))[0].outputs[0]
     assert out.token_ids == [eos] * 8 and out.finish_reason == "length"
     assert_idle(llm)
+
+
+def test_non_finite_logits_fail_only_that_request_with_a_warning(llm, monkeypatch, caplog):
+    """Offline, a request whose logits turn NaN ends with finish_reason 'abort' and a logged
+    warning that says why; its batch neighbours finish normally and no block leaks."""
+    import kvtide.worker.model_runner as model_runner
+    from kvtide.testing.faults import FaultInjector
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(["healthy one", "healthy two"], greedy)
+    monkeypatch.setattr(model_runner, "FAULTS", FaultInjector(nan_token=77))
+    with caplog.at_level("WARNING", logger="kvtide.engine.llm_engine"):
+        outs = llm.generate(["healthy one", [5, 77, 6], "healthy two"], greedy)
+    assert outs[1].outputs[0].finish_reason == "abort" and outs[1].outputs[0].token_ids == []
+    for out, ref in zip((outs[0], outs[2]), expected, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "length"
+    assert any("non-finite logits" in r.getMessage() and "abort" in r.getMessage() for r in caplog.records)
+    assert_idle(llm)
