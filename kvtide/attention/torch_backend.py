@@ -18,7 +18,7 @@ batch: rows of requests that left (holes) get zero queries and are dropped from 
 server's churn (a request joining or ending every few steps) thus costs one context copy per
 arrival, not a gather of the whole batch each step. The slot map is built once per step and shared
 by all layers; each layer's buffer records the step it reflects and is refilled whole if it missed one.
-Its memory is bounded per layer (MIRROR_MAX_BYTES).
+Its memory is bounded per layer (MIRROR_MAX_BYTES) and given back after a burst (MIRROR_SHRINK_FACTOR).
 
 Without a mirror (over that bound) the contexts are gathered a few rows at a time
 (GATHER_CHUNK_BYTES), each chunk attended while it is still in cache: gathering a whole large batch
@@ -48,6 +48,9 @@ MIRROR_MAX_BYTES = 128 << 20
 """Largest decode mirror kept for one layer."""
 MIRROR_HEADROOM_TOKENS = 128
 """Context growth a mirror absorbs before it is reallocated larger."""
+MIRROR_SHRINK_FACTOR = 4
+"""A mirror this many times larger than the batch needs (slots or context) is dropped and
+reallocated to fit, so a burst's memory is given back once it has passed."""
 MAX_HOLES = 8
 """Free slots below the highest one in use tolerated beyond half the rows, before the slots are
 reassigned compactly (and every layer's mirror refilled)."""
@@ -266,6 +269,10 @@ class TorchAttentionBackend(AttentionBackend):
         ctx = block_ids.shape[1] * block_size
         layer = kv_cache.data_ptr()
         mirror = self._mirrors.get(layer)
+        if mirror is not None and (
+                mirror.values.shape[0] > MIRROR_SHRINK_FACTOR * (plan.num_slots + 8)
+                or mirror.values.shape[2] > MIRROR_SHRINK_FACTOR * (ctx + MIRROR_HEADROOM_TOKENS)):
+            mirror = None  # reallocated below at the fitting size, and refilled whole
         current = mirror is not None and mirror.step == plan.step - 1 and not plan.reset
         if mirror is None or mirror.values.shape[0] < plan.num_slots or mirror.values.shape[2] < ctx:
             num_slots = plan.num_slots + max(8, plan.num_slots // 4)

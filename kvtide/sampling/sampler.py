@@ -17,8 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from kvtide.sampling.metadata import SamplingMetadata
-from kvtide.sampling.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, argmax_first,
-                                 compute_top_logprobs)
+from kvtide.sampling.ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    argmax_first,
+    compute_top_logprobs,
+)
 from kvtide.scheduler.output import TopLogprobs
 
 

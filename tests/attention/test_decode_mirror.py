@@ -102,3 +102,34 @@ def test_churn_matches_reference_and_copies_each_context_once(llama_dir, monkeyp
         assert sum(gathered_rows) == layers * len(CHURN_PROMPTS)
     else:
         assert sum(gathered_rows) > layers * len(CHURN_PROMPTS)
+
+
+def test_mirror_shrinks_after_a_burst(llama_dir):
+    """40 short requests and one long one decode together; once the 40 are done the mirror is
+    reallocated to fit the one (memory given back), and the long request's tokens and logprobs
+    still equal the reference backend's."""
+    prompts = [[7 + (5 * i + j) % 200 for j in range(6 + i % 5)] for i in range(41)]
+
+    def run(backend: str):
+        llm = LLM(llama_dir, attention_backend=backend, max_model_len=256, kv_cache_memory="16MiB")
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=40 if i == 40 else 4, ignore_eos=True, logprobs=2)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        slots_seen, result = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id == "r40":
+                    result = out.outputs[0]
+            mirrors = getattr(llm.engine.core.executor.runner.attention_backend, "_mirrors", {})
+            slots_seen.append(max((m.values.shape[0] for m in mirrors.values()), default=0))
+        engine.core.check_integrity()
+        return result, slots_seen
+
+    expected, _ = run("torch_ref")
+    actual, slots_seen = run("torch")
+    assert max(slots_seen) >= 41  # the burst had a slot per request
+    assert slots_seen[-1] <= 1 + 8  # and gave them back: one row plus the usual 8 spare slots
+    assert actual.token_ids == expected.token_ids and len(actual.token_ids) == 40
+    for token, le, la in zip(expected.token_ids, expected.logprobs, actual.logprobs, strict=True):
+        assert abs(la[token].logprob - le[token].logprob) < 1e-4
