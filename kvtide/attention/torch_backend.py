@@ -18,7 +18,8 @@ batch: rows of requests that left (holes) get zero queries and are dropped from 
 server's churn (a request joining or ending every few steps) thus costs one context copy per
 arrival, not a gather of the whole batch each step. The slot map is built once per step and shared
 by all layers; each layer's buffer records the step it reflects and is refilled whole if it missed one.
-Its memory is bounded per layer (MIRROR_MAX_BYTES) and given back after a burst (MIRROR_SHRINK_FACTOR).
+Its memory is extra to the KV pool, so it is bounded per layer (MIRROR_MAX_BYTES, and the size of
+the layer's paged cache: what it mirrors lives there) and given back after a burst (MIRROR_SHRINK_FACTOR).
 
 Without a mirror (over that bound) the contexts are gathered a few rows at a time
 (GATHER_CHUNK_BYTES), each chunk attended while it is still in cache: gathering a whole large batch
@@ -45,7 +46,9 @@ model P @ V ran over 2x slower for it (see `_softmax_without_subnormals`)."""
 GATHER_CHUNK_BYTES = 8 << 20
 """Contexts gathered at once on the chunked decode path: small enough to stay in cache."""
 MIRROR_MAX_BYTES = 128 << 20
-"""Largest decode mirror kept for one layer."""
+"""Largest decode mirror kept for one layer..."""
+MIRROR_MIN_BYTES = 16 << 20
+"""...and no larger than the layer's paged cache unless under this (small pools keep a mirror)."""
 MIRROR_HEADROOM_TOKENS = 128
 """Context growth a mirror absorbs before it is reallocated larger."""
 MIRROR_SHRINK_FACTOR = 4
@@ -280,7 +283,7 @@ class TorchAttentionBackend(AttentionBackend):
             if mirror is not None:  # grow only: never below what the mirror already holds
                 num_slots, capacity = max(num_slots, mirror.values.shape[0]), max(capacity, mirror.values.shape[2])
             nbytes = 2 * num_kv_heads * num_slots * capacity * head_dim * kv_cache.element_size()
-            if nbytes > MIRROR_MAX_BYTES:
+            if nbytes > min(MIRROR_MAX_BYTES, max(kv_cache.nbytes, MIRROR_MIN_BYTES)):
                 self._mirrors.pop(layer, None)
                 return None
             # Zeroed, not empty: unused slots and the headroom are read (masked or dropped), and

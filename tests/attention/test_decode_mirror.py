@@ -133,3 +133,20 @@ def test_mirror_shrinks_after_a_burst(llama_dir):
     assert actual.token_ids == expected.token_ids and len(actual.token_ids) == 40
     for token, le, la in zip(expected.token_ids, expected.logprobs, actual.logprobs, strict=True):
         assert abs(la[token].logprob - le[token].logprob) < 1e-4
+
+
+def test_mirror_never_outgrows_the_paged_cache(llama_dir, monkeypatch):
+    """The mirror is memory on top of the KV pool: a layer's mirror larger than the layer's paged
+    cache is not kept (with the small-pool floor lifted), and decodes gather instead, with the
+    reference backend's outputs."""
+    engine = dict(kv_cache_memory=40 * BLOCK_BYTES)  # 640 tokens a layer; the mirror would want ~2,000
+    expected, _ = _generate(llama_dir, "torch_ref", **engine)
+    _, llm = _generate(llama_dir, "torch", **engine)
+    assert llm.engine.core.executor.runner.attention_backend._mirrors  # under the floor: mirrored
+    monkeypatch.setattr(torch_backend, "MIRROR_MIN_BYTES", 0)
+    actual, llm = _generate(llama_dir, "torch", **engine)
+    assert not llm.engine.core.executor.runner.attention_backend._mirrors
+    for e, a in zip(expected, actual, strict=True):
+        assert a.token_ids == e.token_ids
+        for token, le, la in zip(e.token_ids, e.logprobs, a.logprobs, strict=True):
+            assert abs(la[token].logprob - le[token].logprob) < 1e-4
