@@ -20,7 +20,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
-from kvtide.layers.cpu_prepack import MODES as PREPACK_MODES
+from kvtide.layers.cpu_prepack import check_mode as check_prepack_mode
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -162,9 +162,7 @@ class EngineArgs:
                              f"({max_model_len}) when chunked prefill is off")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.cpu_weight_prepack not in PREPACK_MODES:
-            raise ValueError(f"cpu_weight_prepack must be one of {', '.join(PREPACK_MODES)}; "
-                             f"got {self.cpu_weight_prepack!r}")
+        check_prepack_mode(self.cpu_weight_prepack)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None

@@ -54,6 +54,8 @@ MIRROR_HEADROOM_TOKENS = 128
 MIRROR_SHRINK_FACTOR = 4
 """A mirror this many times larger than the batch needs (slots or context) is dropped and
 reallocated to fit, so a burst's memory is given back once it has passed."""
+MIRROR_SPARE_SLOTS = 8
+"""Fewest slots a mirror allocates beyond the batch (a quarter of it when that is more)."""
 MAX_HOLES = 8
 """Free slots below the highest one in use tolerated beyond half the rows, before the slots are
 reassigned compactly (and every layer's mirror refilled)."""
@@ -272,14 +274,14 @@ class TorchAttentionBackend(AttentionBackend):
         ctx = block_ids.shape[1] * block_size
         layer = kv_cache.data_ptr()
         mirror = self._mirrors.get(layer)
-        if mirror is not None and (
-                mirror.values.shape[0] > MIRROR_SHRINK_FACTOR * (plan.num_slots + 8)
-                or mirror.values.shape[2] > MIRROR_SHRINK_FACTOR * (ctx + MIRROR_HEADROOM_TOKENS)):
-            mirror = None  # reallocated below at the fitting size, and refilled whole
+        # The size this batch would allocate; a mirror far above it is dropped (refilled whole below).
+        num_slots = plan.num_slots + max(MIRROR_SPARE_SLOTS, plan.num_slots // 4)
+        capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
+        if mirror is not None and (mirror.values.shape[0] > MIRROR_SHRINK_FACTOR * num_slots
+                                   or mirror.values.shape[2] > MIRROR_SHRINK_FACTOR * capacity):
+            mirror = None
         current = mirror is not None and mirror.step == plan.step - 1 and not plan.reset
         if mirror is None or mirror.values.shape[0] < plan.num_slots or mirror.values.shape[2] < ctx:
-            num_slots = plan.num_slots + max(8, plan.num_slots // 4)
-            capacity = -(-(ctx + MIRROR_HEADROOM_TOKENS) // block_size) * block_size
             if mirror is not None:  # grow only: never below what the mirror already holds
                 num_slots, capacity = max(num_slots, mirror.values.shape[0]), max(capacity, mirror.values.shape[2])
             nbytes = 2 * num_kv_heads * num_slots * capacity * head_dim * kv_cache.element_size()

@@ -37,6 +37,12 @@ PROBE_TOKENS = (MIN_TOKENS, 67, MAX_TOKENS)
 MODES = ("auto", "on", "off")
 
 
+def check_mode(mode: str) -> None:
+    """ValueError unless `mode` is a cpu_weight_prepack choice (EngineArgs checks it before loading)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_weight_prepack must be one of {', '.join(MODES)}; got {mode!r}")
+
+
 def prepack_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
@@ -60,8 +66,7 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
     """Give each CPU float32 layer with a `prepacked` attribute (linears, LM head) its packed weight,
     where its shape passes the probe. Returns the number of layers packed. `available_bytes`
     (default: MemAvailable) bounds 'auto'."""
-    if mode not in MODES:
-        raise ValueError(f"cpu_weight_prepack must be one of {', '.join(MODES)}; got {mode!r}")
+    check_mode(mode)
     layers = [m for m in model.modules() if hasattr(m, "prepacked") and m.weight.dtype == torch.float32
               and m.weight.device.type == "cpu"]
     if mode == "off" or not layers or not prepack_available():
