@@ -22,7 +22,7 @@ import torch
 
 MARKER = "kvtide_gguf.json"
 """File in a prepared directory naming the GGUF its weights come from."""
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 """Bumped when the prepared directory's contents change, so stale caches are rebuilt."""
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -155,29 +155,52 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, float32 tensor) for each tensor of the file, dequantized."""
-    from gguf import dequantize
-
-    reader = open_gguf(path)
+def tensor_index(reader, path: str) -> list[dict[str, Any]]:
+    """Where each tensor lies in the file, under its transformers name, with how to undo the q/k
+    permutation: recorded once, so later loads read the weights without parsing the metadata again
+    (GGUFReader spends seconds on a 50k-token vocabulary)."""
     arch = gguf_architecture(reader, path)
     check_tensor_types(reader, path)
     num_heads = _field(reader, f"{arch}.attention.head_count")
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    index = []
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"GGUF file {path}: tensor {tensor.name!r} has no place in a {arch} model")
-        try:
-            weight = dequantize(tensor.data, tensor.tensor_type)
-        except Exception as e:  # data shorter than the header says
-            raise ValueError(f"cannot read tensor {tensor.name} of GGUF file {path} ({e}): the file is "
-                             f"truncated or corrupt") from e
-        # Shapes in GGUF run innermost first; F32 tensors come as read-only views of the mapped file.
-        weight = np.require(weight, np.float32, ["C", "W"]).reshape([int(d) for d in reversed(tensor.shape)])
+        heads = None
         if arch in _PERMUTED_ARCHITECTURES and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            weight = _unpermute(weight, num_heads if ".attn_q." in tensor.name else num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(weight))
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+        index.append({"name": name, "gguf_name": tensor.name, "type": tensor.tensor_type.name,
+                      "shape": [int(d) for d in reversed(tensor.shape)], "offset": int(tensor.data_offset),
+                      "nbytes": int(tensor.n_bytes), "permute_heads": heads})
+    return index
+
+
+def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) for each tensor of the file, dequantized with gguf's kernels."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    if index is None:
+        index = tensor_index(open_gguf(path), path)
+    data = np.memmap(path, mode="r")
+    for entry in index:
+        raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        if len(raw) != entry["nbytes"]:
+            raise ValueError(f"GGUF file {path} ends inside tensor {entry['gguf_name']}: the file is truncated; "
+                             f"download or convert it again")
+        shape = entry["shape"]
+        try:
+            weight = dequantize(raw.reshape(int(np.prod(shape[:-1])), -1), GGMLQuantizationType[entry["type"]])
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {entry['gguf_name']} of GGUF file {path} ({e}): the file is "
+                             f"corrupt") from e
+        # F32 tensors come back as read-only views of the mapped file.
+        weight = np.require(weight, np.float32, ["C", "W"]).reshape(shape)
+        if entry["permute_heads"]:
+            weight = _unpermute(weight, entry["permute_heads"])
+        yield entry["name"], torch.from_numpy(np.ascontiguousarray(weight))
 
 
 def _cache_root() -> str:
@@ -207,6 +230,7 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
     arch = gguf_architecture(reader, path)
     check_tensor_types(reader, path)
     config = hf_config_dict(reader, path)
+    index = tensor_index(reader, path)
     tmp = f"{target}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -225,7 +249,7 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
             has_tokenizer = False
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"gguf_file": path, "architecture": arch, "format_version": FORMAT_VERSION,
-                       "tokenizer": has_tokenizer}, f)
+                       "tokenizer": has_tokenizer, "tensors": index}, f)
         os.replace(tmp, target)
     except OSError:
         if not os.path.exists(os.path.join(target, MARKER)):
@@ -250,11 +274,12 @@ def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def gguf_source(model_dir: str) -> str | None:
-    """The GGUF file a prepared directory's weights stream from, or None for an ordinary checkpoint."""
+def prepared_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The weights of a prepared GGUF directory, streamed from its file; None for an ordinary checkpoint."""
     if not os.path.exists(os.path.join(model_dir, MARKER)):
         return None
-    return _read_marker(model_dir)["gguf_file"]
+    marker = _read_marker(model_dir)
+    return iterate_gguf_weights(marker["gguf_file"], marker["tensors"])
 
 
 def _read_marker(model_dir: str) -> dict[str, Any]:

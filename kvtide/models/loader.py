@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from kvtide.models.gguf_checkpoint import gguf_source, iterate_gguf_weights
+from kvtide.models.gguf_checkpoint import prepared_weights
 from kvtide.models.registry import get_model_class
 
 
@@ -42,9 +42,9 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    gguf_file = gguf_source(model_dir)
-    if gguf_file is not None:
-        yield from iterate_gguf_weights(gguf_file)
+    gguf_weights = prepared_weights(model_dir)
+    if gguf_weights is not None:
+        yield from gguf_weights
         return
     for path in safetensors_files(model_dir):
         try:

@@ -2,7 +2,7 @@
 
     run_server(engine_args, settings, host, port)
       1. AsyncLLM.from_engine_args: spawn the engine-core process, wait until it is ready
-      2. build_app: routes (openai/*), exception handlers, the guard middleware
+      2. build_app: routes (openai/*, the chat page ui/), exception handlers, the guard middleware
       3. serve with uvicorn until one of:
            SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
                               --shutdown-timeout; then they end with an error), stop; exit 0
@@ -36,6 +36,7 @@ from kvtide.server.openai.chat_completions.api_router import router as chat_rout
 from kvtide.server.openai.completions.api_router import router as completions_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.state import ServerSettings, ServerState, get_state
+from kvtide.server.ui.api_router import router as ui_router
 
 logger = logging.getLogger("kvtide.server")
 
@@ -101,6 +102,8 @@ def build_app(state: ServerState) -> Any:
 
     if state.settings.enable_admin_api:
         _add_admin_routes(app)
+    if state.settings.enable_ui:
+        app.include_router(ui_router)
     return ServerGuardMiddleware(app, state)
 
 

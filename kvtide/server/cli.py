@@ -30,8 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KVTIDE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and the chat "
+                        "page GET / (default: $KVTIDE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: MODEL)")
     p.add_argument("--chat-template", default=None,
@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--enable-admin-api", action="store_true",
                    help="serve admin routes (POST /reset_prefix_cache); without it they are 404. "
                         "They need the API key like every route: set --api-key too")
+    p.add_argument("--no-ui", dest="enable_ui", action="store_false",
+                   help="do not serve the chat page at GET / (then 404 like any unknown route); the page "
+                        "loads without --api-key's key and asks for it before calling the API")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -77,7 +80,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
                               chat_template=_read_chat_template(args.chat_template),
                               max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
-                              engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api)
+                              engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
+                              enable_ui=args.enable_ui)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.enable_admin_api and settings.api_key is None:

@@ -4,6 +4,9 @@ streaming and disconnect detection are untouched).
     /health ─────────────────────────────────────────────────────────────▶ app (answers 200/503)
     other   ─▶ 503 draining/dead ─▶ 431 header size ─▶ 401 key ─▶ 413 body size ─▶ count in flight ─▶ app
 
+`GET /` (the chat page, unless --no-ui) skips only the key check: the page holds no secret, and
+asks for the key before it calls the API.
+
 The body is read here, up to --max-request-body bytes (Content-Length is checked first, then the
 bytes actually received), and replayed to the app; after it, `receive` is the server's again, so
 the app still sees http.disconnect.
@@ -27,6 +30,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 UNGUARDED_PATHS = ("/health",)
 """Open without an API key and answering for themselves while draining or dead."""
+UI_PAGE = ("GET", "/")
+"""(method, path) of the chat page: served without the API key while the UI is enabled."""
 UNCOUNTED_PATHS = ("/health", "/metrics")
 """Not counted as requests in flight (a drain does not wait for scrapes)."""
 
@@ -83,7 +88,7 @@ class ServerGuardMiddleware:
                                f"{MAX_HEADER_BYTES}", 431, code="headers_too_large")
         headers = {k.decode("latin-1").lower(): v for k, v in raw_headers}
         api_key = self.state.settings.api_key
-        if api_key is not None and not _authorized(headers, api_key):
+        if api_key is not None and not self._is_ui_page(scope) and not _authorized(headers, api_key):
             return OpenAIError("Invalid or missing API key: pass it as 'Authorization: Bearer KEY'", 401,
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length")
@@ -95,6 +100,9 @@ class ServerGuardMiddleware:
             if size > self.state.settings.max_request_body:
                 return _too_large(self.state.settings.max_request_body)
         return None
+
+    def _is_ui_page(self, scope: Scope) -> bool:
+        return self.state.settings.enable_ui and (scope["method"], scope["path"]) == UI_PAGE
 
 
 def _authorized(headers: dict[str, bytes], api_key: str) -> bool:

@@ -33,6 +33,8 @@ class ServerSettings:
     """Watchdog: an engine core silent this many seconds is declared dead (0: never)."""
     enable_admin_api: bool = False
     """Serve the admin routes (POST /reset_prefix_cache); off, they are 404. --api-key still applies."""
+    enable_ui: bool = True
+    """Serve the chat page at GET / (open without the API key: it holds no secret); off, / is 404."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The browser chat page served at GET / (off with `kvtide serve --no-ui`)."""
