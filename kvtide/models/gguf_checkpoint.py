@@ -285,3 +285,26 @@ def prepared_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | Non
 def _read_marker(model_dir: str) -> dict[str, Any]:
     with open(os.path.join(model_dir, MARKER)) as f:
         return json.load(f)
+
+
+def export_hf_checkpoint(gguf_path: str, out_dir: str) -> str:
+    """Write a GGUF's model as a plain float32 Hugging Face checkpoint (config, tokenizer, safetensors),
+    for engines that read only those (transformers without gguf, vLLM). Cached: an existing complete
+    export is kept."""
+    from safetensors.torch import save_file
+
+    done = os.path.join(out_dir, "model.safetensors")
+    if os.path.exists(done):
+        return out_dir
+    prepared = prepare_gguf_model_dir(gguf_path)
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(prepared, tmp, ignore=shutil.ignore_patterns(MARKER))
+    with open(os.path.join(prepared, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    weights = {name: tensor for name, tensor in prepared_weights(prepared)
+               if not (tied and name == "lm_head.weight")}
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    os.replace(tmp, out_dir)
+    return out_dir

