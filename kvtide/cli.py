@@ -1,4 +1,4 @@
-"""`kvtide` command line: generate (offline), serve (OpenAI-compatible server), bench.
+"""`kvtide` command line: generate (offline), chat (interactive), serve (OpenAI-compatible server), bench.
 
 Each subcommand module exposes `register(subparsers)`; engine flags come from EngineArgs.
 """
@@ -12,7 +12,7 @@ import sys
 
 from kvtide.engine_args import EngineArgs
 
-_SUBCOMMAND_MODULES = ("kvtide.server.cli", "kvtide.bench.cli")
+_SUBCOMMAND_MODULES = ("kvtide.chat.cli", "kvtide.server.cli", "kvtide.bench.cli")
 
 
 def register_generate(subparsers) -> None:
@@ -20,18 +20,33 @@ def register_generate(subparsers) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} object (or a string) per line")
-    p.add_argument("--max-tokens", type=int, default=64)
+    add_sampling_args(p, max_tokens_default=64)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int) -> None:
+    """The sampling flags shared by `generate` and `chat` (SamplingParams' fields, vLLM's names)."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens_default)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run_generate)
+
+
+def sampling_params_from_args(args: argparse.Namespace, n: int = 1):
+    """SamplingParams from the flags of add_sampling_args; a bad value raises ValueError, so it
+    is refused before the model loads."""
+    from kvtide import SamplingParams
+
+    return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                          ignore_eos=args.ignore_eos, seed=args.sampling_seed)
 
 
 def _read_prompts(args) -> list:
@@ -53,12 +68,10 @@ def _read_prompts(args) -> list:
 
 
 def run_generate(args) -> int:
-    from kvtide import LLM, SamplingParams
+    from kvtide import LLM
 
     prompts = _read_prompts(args)
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
-                            ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    params = sampling_params_from_args(args, n=args.n)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for output in outputs:

@@ -1,6 +1,7 @@
 """`kvtide serve MODEL`: the OpenAI-compatible server.
 
-    kvtide serve demo --port 8000
+    kvtide serve smollm2 --port 8000          # then open http://127.0.0.1:8000/ for the chat page
+    kvtide serve path/to/model.Q4_K_M.gguf
     kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
 
 Engine flags are EngineArgs' (vLLM's names); the server's own are below.
@@ -25,7 +26,7 @@ def register(subparsers) -> None:
                               description=__doc__, epilog=limits.describe(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory, Hugging Face hub id, or 'demo'")
+                   help="checkpoint directory, GGUF file, Hugging Face hub id, 'smollm2' or 'demo'")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -65,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
     if not model:
-        raise ValueError("give the model: kvtide serve MODEL (a directory, hub id or 'demo')")
+        raise ValueError("give the model: kvtide serve MODEL (a directory, GGUF file, hub id, 'smollm2' or 'demo')")
     engine_args = EngineArgs.from_cli_args(args).replace(model=model)
     try:
         max_body = parse_size(args.max_request_body)
