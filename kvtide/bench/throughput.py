@@ -10,6 +10,10 @@ ignored, on the bench checkpoint (random Llama, ~125M parameters, float32). In o
 
 and reports output tokens/s for each, the ratio, the achieved matmul GFLOP/s (see
 kvtide.bench.common.workload_flops) as a fraction of the peak, and whether the greedy tokens agree.
+
+--output-json also carries, at its top level, the keys `vllm bench throughput --output-json` writes,
+for kvtide's run: elapsed_time (s), num_requests, total_num_tokens (prompt + output),
+requests_per_second and tokens_per_second (total tokens / elapsed_time).
 """
 
 from __future__ import annotations
@@ -70,6 +74,16 @@ def _measure(adapter, prompts, output_lens, warmup: bool) -> dict:
     return run_throughput(adapter, {"prompts": prompts, "output_lens": output_lens})
 
 
+def vllm_throughput_keys(measured: dict) -> dict:
+    """The figures of one engine's run (run_throughput's dict) under the keys vLLM's
+    `vllm bench throughput --output-json` uses, so tools that read vLLM's file read this one."""
+    elapsed = measured["elapsed_s"]
+    num_requests = measured["num_requests"]
+    total_tokens = measured["prompt_tokens"] + measured["output_tokens"]
+    return {"elapsed_time": elapsed, "num_requests": num_requests, "total_num_tokens": total_tokens,
+            "requests_per_second": num_requests / elapsed, "tokens_per_second": total_tokens / elapsed}
+
+
 def _add_flops(result: dict, flops: float, peak: float | None) -> None:
     result["gflop_per_s"] = flops / result["elapsed_s"] / 1e9
     if peak:
@@ -94,6 +108,7 @@ def run(args) -> dict:
     kvtide = KvtideAdapter({"model": model_dir, "max_model_len": None, "engine_kwargs": engine_kwargs_from_args(args)})
     result["kvtide"] = _measure(kvtide, prompts, output_lens, args.warmup)
     kvtide_tokens = result["kvtide"].pop("token_ids")
+    result.update(vllm_throughput_keys(result["kvtide"]))
     if args.profile:
         result["kvtide_profile"] = profile_generate(kvtide, prompts, output_lens)
     del kvtide
