@@ -66,16 +66,21 @@ def _cover_vocabulary(path: str, vocab_size: int) -> None:
 
 
 def resolve_model(model: str | None) -> str:
-    """--model: None builds/uses the bench checkpoint; 'demo' the demo one; else a directory."""
+    """--model: None builds/uses the bench checkpoint; 'demo' the demo one; a GGUF file (or 'smollm2')
+    its float32 export, so that every engine, those that read only HF checkpoints too, runs the same
+    weights; else a directory."""
+    from kvtide.models.builtin import builtin_model_path
+    from kvtide.models.gguf_checkpoint import export_hf_checkpoint, is_gguf_file
+
     if model is None:
         return bench_model_path()
-    if model == "demo":
-        from kvtide.models.demo import demo_model_path
-
-        return demo_model_path()
-    if not os.path.isdir(model):
-        raise ValueError(f"--model {model!r} is not a checkpoint directory")
-    return model
+    path = builtin_model_path(model) or model
+    if is_gguf_file(path):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return export_hf_checkpoint(path, os.path.join(cache_root(), "bench-models", f"{stem}-f32"))
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {model!r} is neither a checkpoint directory nor a GGUF file")
+    return path
 
 
 def read_config(model_dir: str) -> dict:
