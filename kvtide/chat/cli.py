@@ -109,13 +109,12 @@ def _run_terminal(session, model: str) -> int:
             print()
             return EXIT_INTERRUPTED
         message = line.strip()
-        if not message:
-            continue
-        if message in ("/exit", "/quit"):
+        command = _command(session, message)
+        if command == "exit":
             return 0
-        if message == "/reset":
-            session.reset()
+        if command == "reset":
             print("(conversation cleared)", flush=True)
+        if command is not None:
             continue
         if message.startswith("/") and " " not in message:
             print(f"unknown command {message}: {COMMANDS_HELP}", file=sys.stderr, flush=True)
@@ -132,6 +131,18 @@ def _run_terminal(session, model: str) -> int:
                   f"context length)", file=sys.stderr, flush=True)
 
 
+def _command(session, message: str) -> str | None:
+    """'exit', 'reset' (done), 'skip' (an empty line), or None: a message for the model."""
+    if not message:
+        return "skip"
+    if message in ("/exit", "/quit"):
+        return "exit"
+    if message == "/reset":
+        session.reset()
+        return "reset"
+    return None
+
+
 def escape_line(text: str) -> str:
     """An answer as one line: backslash, newline and carriage return written as \\\\, \\n, \\r."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
@@ -143,12 +154,10 @@ def _run_pipe(session) -> int:
     try:
         for line in iter(sys.stdin.readline, ""):
             message = line.strip()
-            if not message:
-                continue
-            if message in ("/exit", "/quit"):
+            command = _command(session, message)
+            if command == "exit":
                 return 0
-            if message == "/reset":
-                session.reset()
+            if command is not None:
                 continue
             # Escaping is per character, so the pieces can be written as they come.
             result = _answer(session, message, lambda text: _write_flushed(escape_line(text)))
