@@ -259,3 +259,16 @@ def test_export_to_hf_checkpoint_loads_in_plain_transformers(gguf_factory, tmp_p
     ids = torch.tensor([[0, 5, 17, 99, 250]])
     with torch.inference_mode():
         assert torch.equal(plain(ids).logits, hf_gguf_model(path)(ids).logits)
+
+
+def test_bench_model_argument_takes_a_gguf_as_its_float32_export(gguf_factory):
+    from kvtide.bench.common import resolve_model
+
+    path = gguf_factory("LlamaForCausalLM", "Q8_0", **SMALL)
+    exported = resolve_model(path)
+    assert os.path.isfile(os.path.join(exported, "model.safetensors"))
+    weights = load_file(os.path.join(exported, "model.safetensors"))
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
+                       dict(iterate_gguf_weights(path))["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="neither a checkpoint directory nor a GGUF file"):
+        resolve_model(path + ".missing")
