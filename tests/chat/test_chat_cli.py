@@ -263,3 +263,16 @@ def test_bad_flags_are_refused_before_the_model_loads(tmp_path, flags, message):
     assert result.returncode == 2 and result.stdout == b""
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("kvtide chat: error:")
+
+
+def test_readme_first_command_answers_with_the_real_model(smollm2_gguf, tmp_path):
+    """The README's first command, after the install: SmolLM2 from its wheel, through a pipe, two
+    turns (the second needs the first to make sense)."""
+    env = dict(_env(), KVTIDE_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([*CHAT, "--model", "smollm2", "--temperature", "0", "--max-tokens", "32"],
+                            input=b"What is the capital of France?\nAnd of Italy?\n", capture_output=True,
+                            timeout=180, env=env)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    first, second = result.stdout.decode("utf-8").splitlines()
+    assert "Paris" in first
+    assert "Rome" in second
