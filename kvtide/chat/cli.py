@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 
+from kvtide.chat_template import read_chat_template
 from kvtide.engine_args import EngineArgs
 
 PROMPT = ">>> "
@@ -41,6 +42,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("chat", help="chat with a model in the terminal (answers streamed)",
                               description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--system", default=None, help="system message that starts the conversation")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template file or Jinja string overriding the tokenizer's (for models without one)")
     add_sampling_args(p, max_tokens_default=512)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_chat)
@@ -53,6 +56,7 @@ def run_chat(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.system is not None and not args.system.strip():
         raise ValueError("--system must not be empty")
+    chat_template = read_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     interactive = sys.stdin.isatty()
     try:
@@ -60,7 +64,7 @@ def run_chat(args: argparse.Namespace) -> int:
         from kvtide.chat.session import ChatSession
 
         llm = LLM(**vars(engine_args))
-        session = ChatSession(llm, params, system=args.system)
+        session = ChatSession(llm, params, system=args.system, chat_template=chat_template)
         if interactive:
             return _run_terminal(session, args.model)
         return _run_pipe(session)

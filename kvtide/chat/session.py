@@ -32,17 +32,21 @@ class ChatSession:
     """`send(message, on_text)` runs one turn and keeps both sides in `history`; `interrupt()`
     (safe to call from a signal handler) ends the answer being generated after the current step."""
 
-    def __init__(self, llm, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(self, llm, params: SamplingParams, system: str | None = None,
+                 chat_template: str | None = None) -> None:
         tokenizer = llm.get_tokenizer()
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(f"the tokenizer of model {llm.engine_args.model!r} has no chat template, so "
-                             f"there is no way to write a conversation for it; use a chat (instruct) model")
+                             f"there is no way to write a conversation for it; use a chat (instruct) model "
+                             f"or give --chat-template")
         if params.n != 1 or params.use_beam_search:
             raise ValueError("chat streams one answer per message: n must be 1, without beam search")
         self.llm = llm
         self.tokenizer = tokenizer
         self.params = params
         self.system = system
+        self.chat_template = chat_template
+        """Overrides the tokenizer's template when given."""
         self.history: list[dict[str, Any]] = []
         """User and assistant turns, oldest first (the system message is not in it)."""
         self._interrupted = False
@@ -61,7 +65,8 @@ class ChatSession:
 
     def prompt_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template places BOS itself: tokenize once, adding no special tokens (as LLM.chat).
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template,
+                                                  add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def send(self, content: str, on_text: Callable[[str], None] | None = None) -> TurnResult:

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 
+from kvtide.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.engine_args import EngineArgs
 from kvtide.server import limits
@@ -79,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     settings = ServerSettings(served_model_names=args.served_model_name or [model],
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
-                              chat_template=_read_chat_template(args.chat_template),
+                              chat_template=read_chat_template(args.chat_template),
                               max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
                               engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
                               enable_ui=args.enable_ui)
@@ -108,15 +109,3 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick a free port with "
                              f"--port or stop the process that holds it") from e
-
-
-def _read_chat_template(value: str | None) -> str | None:
-    """A path to a template file, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:
-        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    return value

@@ -252,9 +252,22 @@ def test_model_without_chat_template_is_refused(llama_dir, tmp_path):
     assert len(lines) == 1 and "no chat template" in lines[0] and lines[0].startswith("kvtide chat: error:")
 
 
+def test_chat_template_flag_serves_a_model_without_one(llm, llama_dir, tmp_path):
+    plain = tmp_path / "no-template"
+    shutil.copytree(llama_dir, plain, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    (tmp_path / "t.jinja").write_text(template)
+    answers = _answer_lines(_run_pipe(str(plain), "hello\n", "--chat-template", str(tmp_path / "t.jinja")))
+    expected = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=8),
+                        chat_template=template)[0].outputs[0].text
+    assert answers == [expected]
+    assert expected != _greedy_chat(llm, [{"role": "user", "content": "hello"}])  # the template mattered
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--temperature", "-1"], "temperature"),
     (["--system", "  "], "--system"),
+    (["--chat-template", "no-such-template.jinja"], "--chat-template"),
 ])
 def test_bad_flags_are_refused_before_the_model_loads(tmp_path, flags, message):
     # A model directory that does not exist: refusing the flag must not need it.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtide.chat_template import read_chat_template
 from kvtide.cli import build_parser
-from kvtide.server.cli import _read_chat_template
 
 
 def test_serve_flags():
@@ -28,8 +28,8 @@ def test_serve_needs_one_model():
 def test_chat_template_from_file_or_string(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")
-    assert _read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
-    assert _read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
-    assert _read_chat_template(None) is None
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    assert read_chat_template(None) is None
     with pytest.raises(ValueError, match="chat-template"):
-        _read_chat_template("no-such-file.jinja")
+        read_chat_template("no-such-file.jinja")
