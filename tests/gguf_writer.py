@@ -40,6 +40,28 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for llama3 rope: one divisor per
+    frequency, written as the F32 tensor rope_freqs.weight."""
+    import math
+
+    base = rope.get("rope_theta", 10000.0)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
     """Valid blocks of a K-quant type (gguf-py can dequantize these but not quantize them): random
     quants around zero, of about a trained model's size (std ~0.2, as the seeded checkpoints).
@@ -95,6 +117,9 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
     writer.add_vocab_size(config["vocab_size"])
     _add_tokenizer(writer, checkpoint_dir, chat_template)
 
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(rope, head_dim))
     weights = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
     for hf_name in sorted(weights):
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":

@@ -127,9 +127,17 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if key("attention.sliding_window") is not None:
         config["sliding_window"] = key("attention.sliding_window")
-    if key("rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"GGUF file {path} uses rotary scaling ({key('rope.scaling.type') or 'rope_freqs'}), "
-                         f"which kvtide does not read from GGUF yet; serve the Hugging Face checkpoint instead")
+    if key("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"GGUF file {path} uses rotary scaling {key('rope.scaling.type')!r}, which kvtide does "
+                         f"not read from GGUF yet; serve the Hugging Face checkpoint instead")
+    if "rope_freqs.weight" in tensor_names:
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        if factors.tensor_type.name != "F32":
+            raise ValueError(f"GGUF file {path}: rope_freqs.weight is {factors.tensor_type.name}, expected F32")
+        rope = llama3_rope_from_factors(np.asarray(factors.data, dtype=np.float64), config["rope_theta"],
+                                        head_dim, key("rope.scaling.original_context_length") or 8192, path)
+        if rope is not None:
+            config["rope_parameters"] = dict(rope, rope_theta=config["rope_theta"])
     for name, gguf_name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                             ("pad_token_id", "padding_token_id")):
         value = _field(reader, f"tokenizer.ggml.{gguf_name}")
@@ -138,6 +146,33 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
     if config["vocab_size"] is None:
         raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor a tokenizer vocabulary")
     return config
+
+
+def llama3_rope_from_factors(factors: np.ndarray, base: float, head_dim: int, original_context: int,
+                             path: str) -> dict[str, Any] | None:
+    """transformers' llama3 rope parameters from llama.cpp's `rope_freqs` tensor (one divisor per
+    frequency: 1 for short wavelengths, `factor` for long ones, a smooth blend in between).
+
+    In the band, s = (1/f_i - 1/factor) / (1 - 1/factor) is linear in 1/wavelength: s = A / wavelen + B with
+    A = original / (high - low) and B = -low / (high - low). Only A and B shape the table, so with the
+    original context fixed (from the file, else Llama 3's 8192) the two factors follow exactly."""
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"GGUF file {path}: rope_freqs has {len(factors)} entries, expected {len(inv_freq)}")
+    wavelen = 2 * np.pi / inv_freq
+    band = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6 * factor)
+    if band.sum() < 2:
+        raise ValueError(f"GGUF file {path}: cannot recover llama3 rope scaling from rope_freqs (fewer than two "
+                         f"frequencies in its smoothing band); serve the Hugging Face checkpoint instead")
+    smooth = (1.0 / factors[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(1.0 / wavelen[band], smooth, 1)
+    width = original_context / slope  # high - low
+    low = -intercept * width
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+            "high_freq_factor": float(low + width), "original_max_position_embeddings": int(original_context)}
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -165,6 +200,8 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
     index = []
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # read into the config's rope parameters instead
+            continue
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"GGUF file {path}: tensor {tensor.name!r} has no place in a {arch} model")

@@ -5,6 +5,7 @@ the file against the HF tokenizer it was written from; bad files give one clear 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def bpe_factory(tmp_path_factory):
     cache: dict[tuple, str] = {}
 
     def make(architecture: str = "LlamaForCausalLM", **config) -> str:
-        key = (architecture, tuple(sorted(config.items())))
+        key = (architecture, json.dumps(config, sort_keys=True))
         if key not in cache:
             cache[key] = build_bpe_checkpoint(str(tmp_path_factory.mktemp("bpe")), architecture, **config)
         return cache[key]
@@ -51,7 +52,7 @@ def bpe_factory(tmp_path_factory):
 def gguf_factory(bpe_factory, tmp_path_factory):
     def make(architecture: str, types, **config) -> str:
         ckpt = bpe_factory(architecture, **config)
-        name = f"{architecture}-{abs(hash((str(types), tuple(sorted(config.items()))))):x}.gguf"
+        name = f"{architecture}-{abs(hash((str(types), json.dumps(config, sort_keys=True)))):x}.gguf"
         path = os.path.join(str(tmp_path_factory.mktemp("gguf")), name)
         return write_gguf(ckpt, path, types)
 
@@ -272,3 +273,45 @@ def test_bench_model_argument_takes_a_gguf_as_its_float32_export(gguf_factory):
                        dict(iterate_gguf_weights(path))["model.layers.0.self_attn.q_proj.weight"])
     with pytest.raises(ValueError, match="neither a checkpoint directory nor a GGUF file"):
         resolve_model(path + ".missing")
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0, "original_max_position_embeddings": 512}
+"""Llama 3.1-style rope scaling, with a window small enough that the tiny head_dim (32) has three
+frequencies in the smoothing band."""
+
+
+def test_llama3_rope_freqs_are_read_back_into_the_config(bpe_factory, tmp_path):
+    """A Llama 3.x GGUF carries its rope scaling only as llama.cpp's rope_freqs tensor: kvtide
+    recovers transformers' llama3 parameters from it, and its greedy tokens and logprobs equal
+    transformers' on the original checkpoint (transformers' own GGUF loading ignores rope_freqs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvtide.layers.rotary import compute_inv_freq
+
+    ckpt = bpe_factory("LlamaForCausalLM", rope_parameters=LLAMA3_ROPE, **SMALL)
+    path = write_gguf(ckpt, str(tmp_path / "llama3.gguf"), "Q8_0")
+    llm = make_llm(path)
+    ours = AutoConfig.from_pretrained(prepare_gguf_model_dir(path))
+    theirs = AutoConfig.from_pretrained(ckpt)
+    assert ours.rope_parameters["rope_type"] == "llama3"
+    ours_inv, _ = compute_inv_freq(ours, 32, 256)
+    theirs_inv, _ = compute_inv_freq(theirs, 32, 256)
+    torch.testing.assert_close(ours_inv, theirs_inv, rtol=1e-6, atol=0)
+    assert not torch.allclose(theirs_inv, compute_inv_freq(AutoConfig.from_pretrained(
+        bpe_factory("LlamaForCausalLM", **SMALL)), 32, 256)[0])  # the scaling changes the table
+    # The same weights in float32 from the GGUF, with the original checkpoint's rope.
+    reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    reference.load_state_dict(dict(iterate_gguf_weights(path)), strict=True)
+    reference.generation_config.eos_token_id = None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for out in llm.generate(PROMPTS, params):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                     pad_token_id=2)
+        assert out.outputs[0].token_ids == ref.sequences[0, ids.shape[1]:].tolist()
+        logprobs = torch.cat(ref.logits).float().log_softmax(-1)
+        for step, (token, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)):
+            assert abs(lp[token].logprob - logprobs[step, token].item()) < LOGPROB_TOL
