@@ -70,10 +70,7 @@ def open_gguf(path: str):
 
 def _field(reader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def gguf_architecture(reader, path: str) -> str:
