@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from kvtide.chat_template import read_chat_template
+from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine_args import EngineArgs
 
 PROMPT = ">>> "

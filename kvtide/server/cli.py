@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 
-from kvtide.chat_template import read_chat_template
+from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.engine_args import EngineArgs
 from kvtide.server import limits

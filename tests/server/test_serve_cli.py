@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtide.chat_template import read_chat_template
 from kvtide.cli import build_parser
+from kvtide.engine.chat_template import read_chat_template
 
 
 def test_serve_flags():
