@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
-        # One line (issue 7): a wrapped library message may span several.
+        # One line: a wrapped library message may span several, and scripts read the first line.
         print(f"kvtide {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 

@@ -56,9 +56,8 @@ def smollm2_hf(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm(tmp_path_factory):
+def smollm2_llm():
     """kvtide on `smollm2`, loaded once per session (prefix caching on, float32)."""
     from kvtide import LLM
 
-    os.environ.setdefault("KVTIDE_CACHE", str(tmp_path_factory.getbasetemp() / "kvtide-cache"))
     return LLM(model="smollm2", device="cpu", dtype="float32", max_model_len=1024, kv_cache_memory="64MiB")

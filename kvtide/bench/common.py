@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from kvtide.models.cache_dir import build_cached_dir, cache_root
 
 BENCH_MODEL_VERSION = "v2"
 BENCH_MODEL_CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -28,10 +29,6 @@ BENCH_MODEL_SEED = 0
 FIRST_PROMPT_TOKEN = 3
 
 
-def cache_root() -> str:
-    return os.environ.get("KVTIDE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvtide"))
-
-
 def bench_model_path() -> str:
     """The bench checkpoint's directory, built on first use (about 10 s and 0.5 GB)."""
     from kvtide.models.demo import make_random_checkpoint
@@ -40,17 +37,14 @@ def bench_model_path() -> str:
     marker = os.path.join(path, "kvtide_bench_model.json")
     if os.path.exists(marker):
         return path
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_random_checkpoint(tmp, "LlamaForCausalLM", seed=BENCH_MODEL_SEED, **BENCH_MODEL_CONFIG)
-    _cover_vocabulary(tmp, BENCH_MODEL_CONFIG["vocab_size"])
-    with open(os.path.join(tmp, "kvtide_bench_model.json"), "w") as f:
-        json.dump({"version": BENCH_MODEL_VERSION, "config": BENCH_MODEL_CONFIG, "seed": BENCH_MODEL_SEED}, f)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # built concurrently by another process
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    def build(tmp: str) -> None:
+        make_random_checkpoint(tmp, "LlamaForCausalLM", seed=BENCH_MODEL_SEED, **BENCH_MODEL_CONFIG)
+        _cover_vocabulary(tmp, BENCH_MODEL_CONFIG["vocab_size"])
+        with open(os.path.join(tmp, "kvtide_bench_model.json"), "w") as f:
+            json.dump({"version": BENCH_MODEL_VERSION, "config": BENCH_MODEL_CONFIG, "seed": BENCH_MODEL_SEED}, f)
+
+    return build_cached_dir(path, build)
 
 
 def _cover_vocabulary(path: str, vocab_size: int) -> None:

@@ -1,6 +1,6 @@
 """`kvtide bench throughput` (also `python -m kvtide.bench.throughput`): offline throughput.
 
-Default workload (issue 2's): 64 requests x 128 prompt tokens x 128 output tokens, greedy, EOS
+Default workload (W1): 64 requests x 128 prompt tokens x 128 output tokens, greedy, EOS
 ignored, on the bench checkpoint (random Llama, ~125M parameters, float32). In one run it measures
 
   1. this machine's float32 matmul peak (torch.mm at 2048^3, best of --matmul-reps, before and after

@@ -85,19 +85,16 @@ def make_random_checkpoint(path: str, architecture: str = "LlamaForCausalLM", se
 
 
 def demo_model_path() -> str:
-    """The `demo` checkpoint, built on first use and cached under ~/.cache/kvtide."""
-    root = os.environ.get("KVTIDE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvtide"))
-    path = os.path.join(root, f"demo-{DEMO_VERSION}")
-    marker = os.path.join(path, "kvtide_demo.json")
-    if not os.path.exists(marker):
-        tmp = f"{path}.tmp{os.getpid()}"
-        make_random_checkpoint(tmp, seed=1234, initializer_range=0.1)
-        with open(os.path.join(tmp, "kvtide_demo.json"), "w") as f:
-            json.dump({"version": DEMO_VERSION}, f)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process built it first
-            import shutil
+    """The `demo` checkpoint, built on first use and cached under $KVTIDE_CACHE (~/.cache/kvtide)."""
+    from kvtide.models.cache_dir import build_cached_dir, cache_root
 
-            shutil.rmtree(tmp, ignore_errors=True)
+    path = os.path.join(cache_root(), f"demo-{DEMO_VERSION}")
+    if not os.path.exists(os.path.join(path, "kvtide_demo.json")):
+
+        def build(tmp: str) -> None:
+            make_random_checkpoint(tmp, seed=1234, initializer_range=0.1)
+            with open(os.path.join(tmp, "kvtide_demo.json"), "w") as f:
+                json.dump({"version": DEMO_VERSION}, f)
+
+        build_cached_dir(path, build)
     return path

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtide.models.cache_dir import build_cached_dir, cache_root
+
 MARKER = "kvtide_gguf.json"
 """File in a prepared directory naming the GGUF its weights come from."""
 FORMAT_VERSION = "2"
@@ -190,7 +192,7 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def tensor_index(reader, path: str) -> list[dict[str, Any]]:
     """Where each tensor lies in the file, under its transformers name, with how to undo the q/k
     permutation: recorded once, so later loads read the weights without parsing the metadata again
-    (GGUFReader spends seconds on a 50k-token vocabulary)."""
+    (GGUFReader spends seconds on a 50k-token vocabulary). Checks the architecture and tensor types."""
     arch = gguf_architecture(reader, path)
     check_tensor_types(reader, path)
     num_heads = _field(reader, f"{arch}.attention.head_count")
@@ -237,10 +239,6 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None
         yield entry["name"], torch.from_numpy(np.ascontiguousarray(weight))
 
 
-def _cache_root() -> str:
-    return os.environ.get("KVTIDE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvtide"))
-
-
 def _cache_key(path: str) -> str:
     stat = os.stat(path)
     ident = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{FORMAT_VERSION}"
@@ -255,20 +253,16 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     stem = os.path.splitext(os.path.basename(path))[0]
-    target = os.path.join(_cache_root(), "gguf", f"{stem}-{_cache_key(path)}")
+    target = os.path.join(cache_root(), "gguf", f"{stem}-{_cache_key(path)}")
     if os.path.exists(os.path.join(target, MARKER)):
         if not tokenizer_override and not _read_marker(target).get("tokenizer", True):
             raise ValueError(f"GGUF file {path} has no tokenizer kvtide can read; pass --tokenizer DIR")
         return target
     reader = open_gguf(path)
-    arch = gguf_architecture(reader, path)
-    check_tensor_types(reader, path)
+    index = tensor_index(reader, path)  # architecture and tensor types first: the clearest errors
     config = hf_config_dict(reader, path)
-    index = tensor_index(reader, path)
-    tmp = f"{target}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+
+    def build(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
@@ -282,15 +276,10 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
                 raise
             has_tokenizer = False
         with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"gguf_file": path, "architecture": arch, "format_version": FORMAT_VERSION,
-                       "tokenizer": has_tokenizer, "tensors": index}, f)
-        os.replace(tmp, target)
-    except OSError:
-        if not os.path.exists(os.path.join(target, MARKER)):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first, or we failed
-    return target
+            json.dump({"gguf_file": path, "format_version": FORMAT_VERSION, "tokenizer": has_tokenizer,
+                       "tensors": index}, f)
+
+    return build_cached_dir(target, build)
 
 
 def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
@@ -331,14 +320,13 @@ def export_hf_checkpoint(gguf_path: str, out_dir: str) -> str:
     if os.path.exists(done):
         return out_dir
     prepared = prepare_gguf_model_dir(gguf_path)
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(prepared, tmp, ignore=shutil.ignore_patterns(MARKER))
     with open(os.path.join(prepared, "config.json")) as f:
         tied = json.load(f).get("tie_word_embeddings", False)
-    weights = {name: tensor for name, tensor in prepared_weights(prepared)
-               if not (tied and name == "lm_head.weight")}
-    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    os.replace(tmp, out_dir)
-    return out_dir
+
+    def build(tmp: str) -> None:
+        shutil.copytree(prepared, tmp, ignore=shutil.ignore_patterns(MARKER), dirs_exist_ok=True)
+        weights = {name: tensor for name, tensor in prepared_weights(prepared)
+                   if not (tied and name == "lm_head.weight")}
+        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+
+    return build_cached_dir(out_dir, build)

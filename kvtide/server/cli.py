@@ -100,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Fail in a second, not after the model loaded, when the address is taken (issue 7)."""
+    """Fail in a second, not after the model loaded, when the address is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds

@@ -21,7 +21,7 @@ from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
-from kvtide.testing.faults import FAULTS  # issue 7: test-only fault injection, None unless env set
+from kvtide.testing.faults import FAULTS  # test-only fault injection, None unless KVTIDE_FAULT_INJECT is set
 from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
@@ -70,7 +70,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
-        # ---- accelerator hook (issue 6): fused Triton layers on CUDA; decode graphs after KV init
+        # ---- accelerator hook: fused Triton layers on CUDA; decode graphs after KV init
         if self.device.type == "cuda" and config.device_config.attention_backend == "triton":
             from kvtide.layers.triton_ops import use_triton_ops
 
@@ -97,7 +97,7 @@ class ModelRunner:
             attn.kv_cache = cache
             attn.backend = self.attention_backend
             self.kv_caches.append(cache)
-        self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)  # issue 6
+        self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -116,7 +116,7 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
-            if FAULTS is not None:  # issue 7 hook: KVTIDE_FAULT_INJECT (kvtide/testing/faults.py)
+            if FAULTS is not None:  # fault injection for the reliability tests (kvtide/testing/faults.py)
                 FAULTS.on_logits(logits, [s.token_ids[:s.num_prompt_tokens] for s in states])
             md = SamplingMetadata.build([s.row_state() for s in states], self.vocab_size, self.device)
             sampled = self.sampler(logits, md)

@@ -39,7 +39,7 @@ class OpenAIBaseModel(BaseModel):
     @classmethod
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         """JSON may escape lone surrogates ("\\ud800"), which no tokenizer can encode: a 400 here,
-        not a TypeError (500) deep in the tokenizer (issue 7)."""
+        not a TypeError (500) deep in the tokenizer."""
         _check_unicode(value, info.field_name or "body")
         return value
 
@@ -209,7 +209,7 @@ def safe_float(value: float) -> float:
 # ---- streaming -----------------------------------------------------------------------------------
 _LINE_BREAKS_IN_JSON = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 """Characters json.dumps leaves raw that str.splitlines() (and so many SSE clients, httpx's
-aiter_lines among them) treat as line ends: escaped, an event stays one line (issue 7)."""
+aiter_lines among them) treat as line ends: escaped, an event stays one line."""
 
 
 def sse(payload: dict[str, Any]) -> str:
