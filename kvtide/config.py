@@ -109,6 +109,8 @@ class SchedulerConfig:
     """'fcfs' (arrival order) or 'priority' (lower value first, then arrival)."""
     max_waiting_requests: int | None = None
     """Bound on queued requests; beyond it new requests are refused (server: 429)."""
+    async_scheduling: bool = False
+    """Schedule step N+1 and process step N's outputs while step N runs (engine/core.py)."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ class EngineArgs:
     """fcfs or priority."""
     max_waiting_requests: int | None = None
     """Refuse new requests beyond this many queued (server: 429)."""
+    async_scheduling: bool | None = None
+    """Schedule the next step and process the last one's outputs while a step runs (default: on
+    with CUDA; off on CPU, where the threads compete for the same cores)."""
     seed: int = 0
     """Seed for unseeded random sampling."""
     trust_remote_code: bool = False
@@ -82,7 +85,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             help_text = docs.get(f.name, "")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=help_text)
             else:
@@ -186,7 +189,9 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              policy=self.scheduling_policy,
-                                             max_waiting_requests=self.max_waiting_requests),
+                                             max_waiting_requests=self.max_waiting_requests,
+                                             async_scheduling=(device == "cuda" if self.async_scheduling is None
+                                                               else self.async_scheduling)),
             device_config=DeviceConfig(device=device, attention_backend=backend,
                                        enforce_eager=self.enforce_eager,
                                        cpu_weight_prepack=self.cpu_weight_prepack),

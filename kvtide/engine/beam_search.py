@@ -101,6 +101,9 @@ class BeamSearch:
         self._output_group: dict[str, str] = {}
         """output id -> root id."""
 
+    def has_groups(self) -> bool:
+        return bool(self.groups)
+
     # ---- hooks -----------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> bool:
         """Take a beam-search request (True); others go to the scheduler as usual (False).

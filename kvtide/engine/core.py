@@ -2,6 +2,16 @@
 
     step():  scheduler.schedule() -> executor.execute() -> scheduler.update_from_output()
 
+With async scheduling the executor runs on a worker thread, one step behind the scheduler:
+
+    main:    schedule N+1 | wait for N | update from N, return N's outputs | schedule N+2 | ...
+    worker:  ... execute N ............| execute N+1 ..............................| ...
+
+so scheduling and output processing overlap the forward pass. The scheduler counts each pending
+step's sampled tokens as placeholders (the runner feeds them back itself); a request that ends in
+step N had one more token computed in N+1, which is dropped. A step whose outcome the next one
+depends on (a fork waiting for its parent's first token, beam search) is waited for first.
+
 Beam search plugs in around the step (engine/beam_search.py): it takes its beams' rows out of the
 runner output before the scheduler sees them, then forks and drops beams.
 
@@ -11,7 +21,10 @@ The same class runs in-process (offline LLM) or inside the engine-core process (
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
+
+import torch
 
 from kvtide.config import EngineConfig
 from kvtide.engine.beam_search import BeamSearch
@@ -36,6 +49,13 @@ class EngineCore:
                                    config.model_config.max_model_len)
         self.beam_search = BeamSearch(self.scheduler)
         self.num_steps = 0
+        self._worker: ThreadPoolExecutor | None = None
+        if config.scheduler_config.async_scheduling:
+            threads = torch.get_num_threads()  # a new thread starts with the default intra-op count
+            self._worker = ThreadPoolExecutor(1, "kvtide-step", initializer=torch.set_num_threads,
+                                              initargs=(threads,))
+        self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        """The step running on the worker whose outputs are not processed yet."""
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
@@ -54,13 +74,33 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        if self._worker is None:
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            scheduler_output = self.scheduler.schedule()
+            return self._process(scheduler_output, self.executor.execute(scheduler_output))
+        if self._pending is None:
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            self._pending = self._launch(self.scheduler.schedule())
+        ahead = None
+        if self.scheduler.has_unfinished_requests() and self._can_schedule_ahead():
+            ahead = self._launch(self.scheduler.schedule())
+        scheduler_output, future = self._pending
+        self._pending = ahead
+        return self._process(scheduler_output, future.result())
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
+        assert self._worker is not None
+        return scheduler_output, self._worker.submit(self.executor.execute, scheduler_output)
+
+    def _can_schedule_ahead(self) -> bool:
+        return self.scheduler.can_schedule_ahead() and not self.beam_search.has_groups()
+
+    def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.num_steps += 1
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -76,4 +116,6 @@ class EngineCore:
         self.scheduler.kv_cache_manager.check_integrity()
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.executor.shutdown()

@@ -52,7 +52,8 @@ class Request:
         num_computed_tokens ──────────────────────────────▲        (KV written)
         num_tokens ───────────────────────────────────────────────▲
     The scheduler hands out `num_tokens - num_computed_tokens` new tokens over one or more steps;
-    prefill chunks, decodes and recompute after preemption are all the same thing.
+    prefill chunks, decodes and recompute after preemption are all the same thing. It advances
+    num_computed_tokens when it schedules a step (the KV is written by the time any later step runs).
     """
 
     def __init__(self, core_request: EngineCoreRequest) -> None:
@@ -66,6 +67,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens being sampled by steps scheduled but not yet reported: the runner already feeds
+        them back (it keeps every sampled token), so the scheduler counts them as known tokens."""
         self.num_cached_tokens = -1
         """Prompt tokens found in the prefix cache at first scheduling (-1: not yet scheduled)."""
         self.status = RequestStatus.WAITING
@@ -79,6 +83,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -45,6 +45,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block ids: copy each src block to dst in every layer's KV cache before the
     forward (copy-on-write of a block shared after a fork)."""
+    num_computed_before: dict[str, int] = field(default_factory=dict)
+    """request id -> its computed tokens when this step was scheduled (where the step starts)."""
+    sampling_req_ids: set[str] = field(default_factory=set)
+    """Requests this step reaches the end of (the runner samples their next token)."""
 
     @property
     def is_empty(self) -> bool:

@@ -213,9 +213,9 @@ class Scheduler:
         remaining = list(self.running)
         while remaining and budget > 0:
             request = remaining.pop(0)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:
+            if num_new <= 0 or self._ends_by_length(request):
                 scheduled_running.append(request)
                 continue
             while True:
@@ -249,14 +249,37 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             block_copies=block_copies,
+            num_computed_before={r: self.requests[r].num_computed_tokens for r in num_scheduled},
         )
         self._finished_req_ids = set()
+        for req_id, num_new in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+                # The runner samples here; until that token is reported it counts as known.
+                request.num_output_placeholders += 1
+                output.sampling_req_ids.add(req_id)
         return output
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the tokens still to be reported finish the request by length: a step scheduled
+        ahead of them would be wasted."""
+        if not request.num_output_placeholders:
+            return False
+        return (request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+                or request.num_tokens_with_placeholders >= self.max_model_len)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the pending one reports: not while a fork
+        waits for its parent's first token (it must share the blocks as they are then)."""
+        return not self._pending_forks
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_reqs: list[NewRequestData]) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:  # preempted with a token still to be reported
+                break
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -310,15 +333,20 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        requeued: set[Request] = set()
+        """Preempted after this step was scheduled ahead (they wait to recompute)."""
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # ended while the step ran
                 continue
-            request.num_computed_tokens += num_tokens
+            if request.status == RequestStatus.PREEMPTED:
+                requeued.add(request)
             out = EngineCoreOutput(req_id, [], num_cached_tokens=max(request.num_cached_tokens, 0))
             if req_id in runner_output.prompt_logprobs:
                 out.new_prompt_logprobs = self._unsent_prompt_logprobs(
-                    request, num_tokens, runner_output.prompt_logprobs[req_id])
+                    request, scheduler_output.num_computed_before[req_id], runner_output.prompt_logprobs[req_id])
+            if req_id in scheduler_output.sampling_req_ids:
+                request.num_output_placeholders -= 1
             if req_id in runner_output.failed:
                 request.status = RequestStatus.FINISHED_ABORTED
                 out.finish_reason, out.error = "abort", runner_output.failed[req_id]
@@ -343,15 +371,16 @@ class Scheduler:
         if stopped:
             stopped_set = set(stopped)
             self.running = [r for r in self.running if r not in stopped_set]
+            if requeued & stopped_set:
+                self.waiting.remove(requeued & stopped_set)
             for request in stopped:
                 self._free_request(request)
         return outputs
 
-    def _unsent_prompt_logprobs(self, request: Request, num_tokens: int, entries: list[TopLogprobs]
+    def _unsent_prompt_logprobs(self, request: Request, start: int, entries: list[TopLogprobs]
                                 ) -> list[tuple[float, int, list[int], list[float]]] | None:
-        """This step's prompt logprobs (one per position from where the step started) minus the
-        positions sent before a preemption."""
-        start = request.num_computed_tokens - num_tokens
+        """This step's prompt logprobs (one per position from `start`, where the step started)
+        minus the positions sent before a preemption."""
         sent = self._num_prompt_logprobs_sent.get(request.request_id, 0)
         self._num_prompt_logprobs_sent[request.request_id] = max(sent, start + len(entries))
         return [_as_tuple(t) for t in entries[max(sent - start, 0):]] or None

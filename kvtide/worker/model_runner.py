@@ -124,6 +124,7 @@ class ModelRunner:
             for row, state in enumerate(states):
                 if row in bad:
                     output.failed[state.request_id] = "model produced non-finite logits"
+                    state.token_ids.append(0)  # an input for a step scheduled ahead; its output is dropped
                     continue
                 token = sampled.token_ids[row]
                 state.token_ids.append(token)

@@ -135,13 +135,14 @@ class FakeRunner:
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
               max_num_seqs: int = 8, max_num_batched_tokens: int = 32, policy: str = "fcfs",
               enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-              token_fn=None) -> EngineCore:
+              token_fn=None, async_scheduling: bool = False) -> EngineCore:
     config = EngineConfig(
         ModelConfig(model="fake", hf_config=None, max_model_len=max_model_len),
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
                     enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_chunked_prefill=enable_chunked_prefill, policy=policy))
+                        enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+                        async_scheduling=async_scheduling))
     return EngineCore(config, FakeRunner(num_blocks, block_size, token_fn))
 
 
@@ -432,12 +433,13 @@ def expected_finish(request: EngineCoreRequest) -> tuple[list[int], str]:
     return tokens, "length"
 
 
-def run_workload(workload) -> Driver:
+def run_workload(workload, async_scheduling: bool = False) -> Driver:
     """Run arrivals and aborts step by step; every request ends within the bound with the tokens
     it would have produced alone, or a prefix of them if aborted."""
     block_size, budget, max_num_seqs, policy, caching, num_blocks, reqs = workload
     d = Driver(make_core(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=budget, policy=policy, enable_prefix_caching=caching))
+                         max_num_batched_tokens=budget, policy=policy, enable_prefix_caching=caching,
+                         async_scheduling=async_scheduling))
     pending = sorted(reqs, key=lambda a: a.step)
     added: list[Arrival] = []
     aborted: set[str] = set()
@@ -456,7 +458,9 @@ def run_workload(workload) -> Driver:
         step += 1
         assert step < 5000
     core_reqs = [a.request for a in reqs]
-    assert d.trace.steps <= step_bound(core_reqs, budget, d.trace.preempted)
+    # Scheduled ahead, a step can also be one that a request's last (stopping) token leaves empty.
+    slack = len(core_reqs) + 1 if async_scheduling else 0
+    assert d.trace.steps <= step_bound(core_reqs, budget, d.trace.preempted) + slack
     for r in core_reqs:
         tokens, reason = expected_finish(r)
         got = d.trace.tokens[r.request_id]
@@ -472,6 +476,14 @@ def run_workload(workload) -> Driver:
 @given(workloads())
 def test_random_workloads_end_with_correct_tokens_within_the_bound(workload):
     run_workload(workload)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(workloads())
+def test_random_workloads_scheduled_ahead_end_with_the_same_tokens(workload):
+    """Async scheduling (each step scheduled while the one before runs): the same tokens, aborts,
+    preemption and prefix hits, and every block back in the pool."""
+    run_workload(workload, async_scheduling=True)
 
 
 @pytest.mark.slow
@@ -716,4 +728,46 @@ def test_prefix_cache_stats_count_each_request_once():
     stats = d.core.get_stats()
     assert stats.prefix_cache_queries == 12 + 12 + 9
     assert stats.prefix_cache_hits == 8  # b reuses a's first two blocks
+    d.assert_drained()
+
+
+# ---- async scheduling ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_finish_reasons_scheduled_ahead(async_scheduling):
+    """Each step is scheduled before the one before it reports: a request that stops on a token
+    had one more step computed, which is dropped; one that ends by length is not scheduled past it."""
+    script = [5, 6, 7, 6, 8, 9, 9, 9, 9, 9]
+    d = Driver(make_core(token_fn=scripted({"stop": script, "length": script}),
+                         async_scheduling=async_scheduling))
+    d.add(core_request("stop", prompt_of(4), stop_token_ids=[7], max_tokens=10))
+    d.add(core_request("length", prompt_of(5, 1), max_tokens=4, ignore_eos=True))
+    d.run()
+    assert d.trace.tokens == {"stop": [5, 6, 7], "length": [5, 6, 7, 6]}
+    assert d.trace.finish["stop"].finish_reason == "stop" and d.trace.finish["length"].finish_reason == "length"
+    executed = {rid: sum(rid in so.num_scheduled_tokens for so in d.runner.outputs) for rid in ("stop", "length")}
+    assert executed == {"stop": 4 if async_scheduling else 3, "length": 4}
+    if async_scheduling:  # the step after the stop was scheduled before the stop was known
+        assert any(so.num_scheduled_tokens.get("stop") and "stop" in so.sampling_req_ids
+                   for so in d.runner.outputs[3:])
+    d.assert_drained()
+
+
+def test_runner_failure_scheduled_ahead_fails_only_that_request():
+    class FailingRunner(FakeRunner):
+        def execute(self, so):
+            out = super().execute(so)
+            if "bad" in out.sampled_token_ids:
+                del out.sampled_token_ids["bad"]  # the runner still keeps a token for the next step
+                out.failed["bad"] = "non-finite logits"
+            return out
+
+    core = make_core(async_scheduling=True)
+    core.executor = FailingRunner(64, 4)
+    d = Driver(core)
+    d.add(core_request("bad", prompt_of(5), max_tokens=4))
+    d.add(core_request("good", prompt_of(6, 1), max_tokens=4))
+    d.run()
+    assert d.trace.finish["bad"].finish_reason == "abort" and d.trace.finish["bad"].error
+    assert d.trace.tokens["good"] == expected_output(prompt_of(6, 1), 4)
     d.assert_drained()

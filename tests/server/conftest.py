@@ -17,7 +17,9 @@ LONG_MODEL_LEN = "2048"
 # --max-num-seqs also bounds the CPU KV cache these servers allocate (max_num_seqs * max_model_len).
 SERVER_FLAGS = {
     "server": ["--max-num-seqs", "40", "--enable-admin-api"],
-    "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120"],
+    # Schedules each step while the one before runs: draining and aborts must hold there too.
+    "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120",
+                     "--async-scheduling"],
     "small_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "1", "--max-waiting-requests", "1"],
 }
 
