@@ -24,8 +24,6 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-import torch
-
 from kvtide.config import EngineConfig
 from kvtide.engine.beam_search import BeamSearch
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
@@ -51,9 +49,8 @@ class EngineCore:
         self.num_steps = 0
         self._worker: ThreadPoolExecutor | None = None
         if config.scheduler_config.async_scheduling:
-            threads = torch.get_num_threads()  # a new thread starts with the default intra-op count
-            self._worker = ThreadPoolExecutor(1, "kvtide-step", initializer=torch.set_num_threads,
-                                              initargs=(threads,))
+            self._worker = ThreadPoolExecutor(1, "kvtide-step",
+                                              initializer=getattr(executor, "init_worker_thread", None))
         self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         """The step running on the worker whose outputs are not processed yet."""
 

@@ -3,6 +3,8 @@ core's own process (world size 1)."""
 
 from __future__ import annotations
 
+import torch
+
 from kvtide.config import EngineConfig
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.worker.memory_profile import MemoryMeter, profile_peak_activation_bytes
@@ -12,6 +14,7 @@ from kvtide.worker.model_runner import ModelRunner
 class UniprocExecutor:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.runner = ModelRunner(config, model_dir)
+        self._num_threads = torch.get_num_threads()
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -21,6 +24,11 @@ class UniprocExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+
+    def init_worker_thread(self) -> None:
+        """Run once on a thread that will call execute (async scheduling): a new thread starts with
+        torch's default intra-op thread count, not the one this process set."""
+        torch.set_num_threads(self._num_threads)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

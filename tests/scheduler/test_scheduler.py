@@ -210,15 +210,17 @@ class Driver:
     def step(self) -> list[EngineCoreOutput]:
         config = self.core.config.scheduler_config
         outputs = self.core.step()
+        so = self.runner.outputs[self.trace.steps]  # the step just processed (the runner goes in order)
         self.trace.steps += 1
-        so = self.runner.outputs[-1]
         self.trace.per_step.append(so)
         assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= config.max_num_seqs
         assert len(self.sched.running) <= config.max_num_seqs
         for rid in so.finished_req_ids:
             if rid in self.sched.requests:
-                assert self.sched.requests[rid].status == RequestStatus.PREEMPTED
+                # Preempted; scheduled ahead, the next step may already have resumed it.
+                allowed = {RequestStatus.PREEMPTED} | ({RequestStatus.RUNNING} if config.async_scheduling else set())
+                assert self.sched.requests[rid].status in allowed
                 self.trace.preempted.append(rid)
         for new in so.scheduled_new_reqs:
             if new.request_id not in self.trace.first_scheduled:
