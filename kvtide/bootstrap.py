@@ -45,8 +45,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | N
                          f"with tokenizer.json or tokenizer_config.json") from e
 
 
-def eos_token_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json (may list several), else config, else tokenizer."""
+def eos_token_ids(model_dir: str, hf_config, load_tokenizer_fn) -> list[int]:
+    """EOS ids from generation_config.json (may list several), else config, else the tokenizer
+    (loaded only then: transformers takes a second or two to build a large one)."""
     ids = None
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
@@ -54,8 +55,8 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
             ids = json.load(f).get("eos_token_id")
     if ids is None:
         ids = getattr(hf_config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
+    if ids is None:
+        ids = load_tokenizer_fn().eos_token_id
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
@@ -151,7 +152,6 @@ def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = N
     if config is None:
         config = args.create_engine_config(model_dir)
     tokenizer_dir = args.tokenizer or model_dir
-    tokenizer = load_tokenizer(tokenizer_dir, args.trust_remote_code)
     hf_config = config.model_config.hf_config
-    return ModelInfo(model_dir, tokenizer_dir, hf_config.vocab_size, config.model_config.max_model_len,
-                     eos_token_ids(model_dir, hf_config, tokenizer))
+    eos = eos_token_ids(model_dir, hf_config, lambda: load_tokenizer(tokenizer_dir, args.trust_remote_code))
+    return ModelInfo(model_dir, tokenizer_dir, hf_config.vocab_size, config.model_config.max_model_len, eos)
