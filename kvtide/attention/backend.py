@@ -107,6 +107,10 @@ def decode_context_layout(md: AttentionMetadata, window: int | None) -> tuple[to
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Backends by name, imported lazily so CPU installs never import Triton."""
+    if name == "cpu":
+        from kvtide.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "torch":
         from kvtide.attention.torch_backend import TorchAttentionBackend
 
@@ -119,4 +123,4 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from kvtide.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be one of auto, torch, torch_ref, triton; got {name!r}")
+    raise ValueError(f"attention_backend must be one of auto, cpu, torch, torch_ref, triton; got {name!r}")

@@ -114,8 +114,8 @@ def profile_peak_activation_bytes(runner: ModelRunner, config: EngineConfig,
 
 def _bind_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """A cache of num_blocks per layer, bound as ModelRunner.initialize_kv_cache binds the real one
-    (without its CUDA-graph capture). The layers get a fresh backend of the runner's kind, so
-    per-cache state a backend keeps (the torch backend's decode mirrors) goes away with it."""
+    (without its CUDA-graph capture). The layers get a fresh backend of the runner's kind, so any
+    per-cache state a backend keeps goes away with it."""
     backend = type(runner.attention_backend)()
     dtype = runner.config.model_config.dtype
     runner.kv_caches = []

@@ -166,7 +166,10 @@ def test_llm_beam_search_entry_point(llama_dir):
     direct = llm.generate(prompts, SamplingParams(use_beam_search=True, beam_width=3, n=3, max_tokens=6))
     for result, prompt, out in zip(results, prompts, direct, strict=True):
         assert [s.tokens for s in result.sequences] == [prompt + c.token_ids for c in out.outputs]
-        assert [s.cum_logprob for s in result.sequences] == [c.cumulative_logprob for c in out.outputs]
+        # The second run finds the prompt in the prefix cache and attends its tail through another
+        # kernel than the first run's prefill: the same tokens, logprobs equal to rounding.
+        assert [s.cum_logprob for s in result.sequences] == \
+            pytest.approx([c.cumulative_logprob for c in out.outputs], abs=1e-4)
         assert all(s.text is not None for s in result.sequences)
     with pytest.raises(ValueError, match="temperature"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5))

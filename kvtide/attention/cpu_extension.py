@@ -1,0 +1,99 @@
+"""The compiled CPU attention op (csrc/paged_attention.cpp), built on first use.
+
+The same source is compiled once per ISA, each build its own library and op namespace
+(`torch.ops.kvtide_avx512`, `kvtide_avx2`, `kvtide_default`), and the best one this CPU runs is
+chosen at run time: one binary built for the machine it was compiled on would fault (or be slow) on
+another, and a wheel cannot know where it will run. `torch.backends.cpu.get_cpu_capability()` says
+what the CPU runs (and honours ATEN_CPU_CAPABILITY, as torch's own kernels do).
+
+Builds go through `torch.utils.cpp_extension.load` against the installed torch (never an isolated
+pip build, whose torch could differ in ABI) into `cache_root()/torch_ext/<torch>-<isa>-<hash>`, so a
+new torch or a changed source gets a fresh directory; cpp_extension's lock file in that directory
+lets concurrent processes share one build. No compiler, a failed build, or KVTIDE_CPU_KERNELS=0
+gives None (with one warning), and the callers fall back to pure torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvtide.models.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "default": ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"],
+}
+"""Best first. Each build also gets its own op namespace (KVTIDE_OPS_NS)."""
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+"""-fopenmp: at::parallel_for is inlined and runs serially without it (the library then shares
+torch's libgomp, loaded first under the same soname). Hidden visibility: the builds share inline
+functions (at::vec, c10) compiled for different ISAs, which must not interpose one another."""
+
+_loaded: dict[str, Callable | None] = {}
+_warned: set[str] = set()
+
+
+def available_isas() -> list[str]:
+    """The ISAs of ISA_FLAGS this CPU runs, best first (what get_cpu_capability allows)."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    names = list(ISA_FLAGS)
+    if capability in names:
+        return names[names.index(capability):]
+    return ["default"]
+
+
+def load_paged_attention(isa: str | None = None) -> Callable | None:
+    """`torch.ops.kvtide_<isa>.paged_attention` for `isa` (default: the best this CPU runs), built
+    if needed; None where it cannot be (the reason logged once). Cached per process."""
+    if os.environ.get("KVTIDE_CPU_KERNELS", "1") == "0":
+        _warn_once("KVTIDE_CPU_KERNELS=0: compiled CPU attention disabled, using pure torch")
+        return None
+    isa = isa or available_isas()[0]
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}; got {isa!r}")
+    if isa not in _loaded:
+        _loaded[isa] = _build(isa)
+    return _loaded[isa]
+
+
+def build_directory(isa: str) -> Path:
+    """Where `isa`'s build lives: one directory per torch version, ISA and source + flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(ISA_FLAGS[isa] + COMMON_FLAGS).encode())
+    return Path(cache_root()) / "torch_ext" / f"{torch.__version__}-{isa}-{digest.hexdigest()[:12]}"
+
+
+def _build(isa: str) -> Callable | None:
+    namespace = f"kvtide_{isa}"
+    try:
+        from torch.utils import cpp_extension
+
+        directory = build_directory(isa)
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"kvtide_paged_attention_{isa}", sources=[str(SOURCE)],
+            extra_cflags=COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DKVTIDE_OPS_NS={namespace}"],
+            extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+            verbose=False)
+        return getattr(torch.ops, namespace).paged_attention
+    except Exception as e:  # no compiler, no ninja, a failed build: fall back, but say why
+        _warn_once(f"compiled CPU attention ({isa}) unavailable, using pure torch: "
+                   f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+        return None
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)

@@ -1,0 +1,175 @@
+"""Decode attention per layer call on CPU: the compiled paged kernel (cpu backend) against the torch
+backend's chunked gather and, when git has it, the decode mirror this kernel replaced.
+
+    python scripts/bench_cpu_attention.py [--isa avx2] [--reps 7] [--mirror-commit 2a29042]
+
+Each figure is the median over --reps interleaved repetitions (the alternatives take turns, so a
+noisy neighbour slows all of them alike) of one decode step over LAYERS caches, divided by LAYERS,
+with seq_lens one longer every step as in real decoding (the mirror's steady state: one append per
+step). `--prefill` also times short query rows over a cached context (kernel against gather + SDPA),
+which is how cpu_backend.KERNEL_MAX_QUERY_LEN was chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from paged_batches import make_paged_batch  # noqa: E402
+
+from kvtide.attention import cpu_backend, cpu_extension  # noqa: E402
+from kvtide.attention.backend import AttentionMetadata  # noqa: E402
+from kvtide.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+LAYERS = 4
+STEPS = 8
+"""Decode steps per repetition (after as many warm-up steps)."""
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def old_mirror_backend(commit: str) -> Callable[[], object] | None:
+    """TorchAttentionBackend as of `commit` (with its decode mirror), loaded from git; None if absent."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    try:
+        source = subprocess.run(["git", "show", f"{commit}:kvtide/attention/torch_backend.py"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if "_DecodeMirror" not in source:
+        return None
+    spec = importlib.util.spec_from_loader("_old_torch_backend", loader=None)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, "old_torch_backend.py", "exec"), module.__dict__)
+    return module.TorchAttentionBackend
+
+
+def step_metadata(base: AttentionMetadata, extra: int, num_rows: int) -> AttentionMetadata:
+    """The decode step `extra` tokens after `base` (every row one token longer per step)."""
+    seq_lens = [s + extra for s in base.seq_lens_cpu]
+    block_size = base.block_size
+    slots = [int(base.block_tables[r, (s - 1) // block_size]) * block_size + (s - 1) % block_size
+             for r, s in enumerate(seq_lens)]
+    return AttentionMetadata(
+        num_reqs=num_rows, num_decodes=num_rows, num_actual_tokens=num_rows,
+        query_start_loc=base.query_start_loc, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=base.block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=1, max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc_cpu=base.query_start_loc_cpu, seq_lens_cpu=seq_lens, row_uids=list(range(num_rows)))
+
+
+def bench_decode(name: str, contexts: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                 backends: dict[str, Callable[[], object]], reps: int, isa: str) -> None:
+    num_rows = len(contexts)
+    # Room for every step: each row's table covers context + (reps + 1) * STEPS tokens.
+    batch = make_paged_batch([((reps + 1) * STEPS + 1, c - 1) for c in contexts], heads, kv_heads, head_dim, block_size,
+                             torch.float32)
+    base = batch.metadata
+    base = AttentionMetadata(
+        num_reqs=num_rows, num_decodes=num_rows, num_actual_tokens=num_rows,
+        query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32), seq_lens=base.seq_lens,
+        block_tables=base.block_tables, slot_mapping=base.slot_mapping, max_query_len=1,
+        max_seq_len=base.max_seq_len, block_size=block_size,
+        query_start_loc_cpu=list(range(num_rows + 1)), seq_lens_cpu=list(contexts))
+    caches = [batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous() for _ in range(LAYERS)]
+    query = torch.randn(num_rows, heads, head_dim)
+    key = torch.randn(num_rows, kv_heads, head_dim)
+    value = torch.randn(num_rows, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+
+    def run(backend, first_step: int) -> float:
+        start = time.perf_counter()
+        for step in range(first_step, first_step + STEPS):
+            md = step_metadata(base, step, num_rows)
+            for cache in caches:
+                backend.forward(query, cache, md, scale, None, key, value)
+        return (time.perf_counter() - start) / (STEPS * LAYERS)
+
+    instances = {label: make() for label, make in backends.items()}
+    times: dict[str, list[float]] = {label: [] for label in instances}
+    for backend in instances.values():
+        run(backend, 0)  # warm-up (the mirror fills here)
+    for rep in range(1, reps + 1):
+        for label, backend in instances.items():  # every backend at the same context lengths
+            times[label].append(run(backend, rep * STEPS))
+    figures = ", ".join(f"{label} {statistics.median(t) * 1e6:7.0f} us" for label, t in times.items())
+    print(f"{name:<44} [{cpu_model()}, kernel ISA {isa}, {torch.get_num_threads()} threads] {figures}",
+          flush=True)
+
+
+def bench_short_rows(reps: int, isa: str) -> None:
+    """Rows of q_len tokens over a cached context: kernel against gather + SDPA (bench model heads)."""
+    for q_len in (1, 4, 8, 12, 16, 24, 32, 64):
+        batch = make_paged_batch([(q_len, 256)] * 8, 12, 4, 64, 16, torch.float32)
+        cache = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+        kernel, sdpa = cpu_backend.CpuAttentionBackend(), TorchAttentionBackend()
+        times: dict[str, list[float]] = {"kernel": [], "gather+sdpa": []}
+        for _ in range(reps + 1):
+            for label, backend in (("kernel", kernel), ("gather+sdpa", sdpa)):
+                old = cpu_backend.KERNEL_MAX_QUERY_LEN
+                cpu_backend.KERNEL_MAX_QUERY_LEN = 1 << 30
+                start = time.perf_counter()
+                for _ in range(10):
+                    batch.metadata.backend_data.clear()
+                    backend.forward(batch.query, cache, batch.metadata, 0.125, None, batch.key, batch.value)
+                times[label].append((time.perf_counter() - start) / 10)
+                cpu_backend.KERNEL_MAX_QUERY_LEN = old
+        figures = ", ".join(f"{label} {statistics.median(t[1:]) * 1e6:7.0f} us" for label, t in times.items())
+        print(f"8 rows x q_len {q_len:>2} over 256 cached, H=12 H_kv=4 D=64 [{cpu_model()}, {isa}] {figures}",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--isa", choices=list(cpu_extension.ISA_FLAGS), default=None)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--mirror-commit", default="2a29042")
+    parser.add_argument("--prefill", action="store_true", help="also time short query rows")
+    args = parser.parse_args()
+    isa = args.isa or cpu_extension.available_isas()[0]
+    op = cpu_extension.load_paged_attention(isa)
+    if op is None:
+        sys.exit("the compiled kernel is unavailable (see the warning above)")
+
+    class Kernel(cpu_backend.CpuAttentionBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self._op = op
+
+    class Gather(TorchAttentionBackend):
+        def forward(self, query, kv_cache, metadata, scale, sliding_window, key=None, value=None):
+            return super().forward(query, kv_cache, metadata, scale, sliding_window)
+
+    backends: dict[str, Callable[[], object]] = {"kernel": Kernel, "gather": Gather}
+    mirror = old_mirror_backend(args.mirror_commit)
+    if mirror is not None:
+        backends["mirror"] = mirror
+    gen = torch.Generator().manual_seed(0)
+    contexts = torch.randint(128, 385, (64,), generator=gen).tolist()
+    bench_decode("64 rows x ctx 128-384, H=12 H_kv=4 D=64", contexts, 12, 4, 64, 16, backends, args.reps, isa)
+    bench_decode("1 row x ctx 384, H=9 H_kv=3 D=64", [384], 9, 3, 64, 16, backends, args.reps, isa)
+    if args.prefill:
+        bench_short_rows(args.reps, isa)
+
+
+if __name__ == "__main__":
+    main()
