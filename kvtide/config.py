@@ -118,11 +118,12 @@ class DeviceConfig:
     device: str = "cpu"
     """'cpu' or 'cuda'."""
     attention_backend: str = "torch"
-    """'torch' (reference, any device) or 'triton' (GPU kernels)."""
+    """'cpu' (compiled CPU kernels), 'torch' (pure torch, any device), 'torch_ref' (the oracle) or
+    'triton' (GPU kernels)."""
     enforce_eager: bool = False
     """Never capture or replay CUDA graphs (decode steps run eagerly)."""
     cpu_weight_prepack: str = "auto"
-    """'auto', 'on' or 'off': MKL-prepacked float32 linear weights on CPU (layers/cpu_prepack.py)."""
+    """'auto', 'on' or 'off': float32 CPU linears on the GEMM kernel measured fastest (layers/cpu_gemm.py)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
-from kvtide.layers.cpu_prepack import check_mode as check_prepack_mode
+from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -68,13 +68,16 @@ class EngineArgs:
     device: str = "auto"
     """auto, cpu or cuda."""
     attention_backend: str = "auto"
-    """auto, torch, torch_ref (the slow reference) or triton (auto: triton on CUDA, torch elsewhere)."""
+    """auto, cpu (compiled CPU kernels, pure torch without a compiler), torch, torch_ref (the slow
+    reference) or triton (auto: triton on CUDA, cpu on CPU)."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA with the triton backend)."""
     cpu_weight_prepack: str = "auto"
-    """auto, on or off: keep an MKL-prepacked copy of each float32 linear weight on CPU, used for
-    steps of 16-256 tokens (decode linears about a fifth faster, bit-identical results; costs the weights' size
-    again in memory; auto: on when the copies fit in a quarter of free memory)."""
+    """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
+    measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
+    F.linear's rounding error; verdicts cached per machine). A packed kernel keeps a copy of the
+    weight (auto: only when the copies fit in a quarter of free memory); on: a packed kernel
+    wherever one is accurate, whatever the speed; off: F.linear always."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -146,10 +149,15 @@ class EngineArgs:
         if backend == "auto":
             import importlib.util
 
-            # Triton on CUDA; torch where Triton is not installed (it is optional).
-            backend = "triton" if device == "cuda" and importlib.util.find_spec("triton") else "torch"
-        if backend not in ("torch", "torch_ref", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch, torch_ref or triton; got {backend!r}")
+            # Triton on CUDA (torch where Triton, which is optional, is not installed); cpu on CPU.
+            if device == "cuda":
+                backend = "triton" if importlib.util.find_spec("triton") else "torch"
+            else:
+                backend = "cpu"
+        if backend not in ("cpu", "torch", "torch_ref", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch, torch_ref or triton; got {backend!r}")
+        if backend == "cpu" and device != "cpu":
+            raise ValueError(f"attention_backend='cpu' needs device cpu; got {device!r}")
         config_dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") \
             else getattr(hf_config, "torch_dtype", None)
         dtype = resolve_dtype(self.dtype, config_dtype, device)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvtide.machine import describe_machine, machine_info
 from kvtide.models.cache_dir import build_cached_dir, cache_root
 
 BENCH_MODEL_VERSION = "v2"
@@ -154,6 +155,26 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
         prefix.append(k)
     return {"identical": same, "of": min(len(a), len(b)),
             "mean_common_prefix": float(np.mean(prefix)) if prefix else 0.0}
+
+
+def machine_record(with_gemm: bool = True) -> dict:
+    """What every benchmark figure is printed next to: CPU model, ISA, cores, torch and threads,
+    and the GEMM kernel chosen per linear shape and row bucket (layers/cpu_gemm.py)."""
+    record = machine_info()
+    if with_gemm:
+        from kvtide.layers.cpu_gemm import gemm_choices
+
+        record["gemm"] = gemm_choices()
+    return record
+
+
+def format_machine(record: dict) -> str:
+    """'machine: ...' and one 'gemm SHAPE: rows 1: ..., 2-8: ...' line per linear shape."""
+    from kvtide.layers.cpu_gemm import format_choices
+
+    lines = [describe_machine(record)]
+    lines += [f"gemm {shape}: {format_choices(choices)}" for shape, choices in record.get("gemm", {}).items()]
+    return "\n".join(lines)
 
 
 def print_and_save(result: dict, text: str, output_json: str | None) -> int:

@@ -30,7 +30,9 @@ import time
 from kvtide.bench import peers
 from kvtide.bench.common import (
     cache_root,
+    format_machine,
     greedy_agreement,
+    machine_record,
     module_main,
     random_token_prompts,
     read_config,
@@ -102,7 +104,7 @@ def ratio_stats(values: dict[str, list[float]], base: str = "kvtide") -> dict[st
 
 
 def format_table(summary: dict) -> str:
-    lines = []
+    lines = [format_machine(summary["machine"])] if "machine" in summary else []
     for workload, figures in summary["figures"].items():
         lines.append(f"== {workload} ==")
         for key, stats in figures.items():
@@ -346,6 +348,7 @@ def main_compare(args) -> int:
     if "serve" in workloads:
         run_serve_workload(args, engines, model_dir, spec, log_dir, summary)
     _summarize(summary)
+    summary["machine"] = machine_record()  # GEMM choices from the disk cache the kvtide worker filled
     print(format_table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:

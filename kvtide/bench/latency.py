@@ -14,7 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtide.bench.common import module_main, print_and_save, random_token_prompts, read_config, resolve_model
+from kvtide.bench.common import (
+    format_machine,
+    machine_record,
+    module_main,
+    print_and_save,
+    random_token_prompts,
+    read_config,
+    resolve_model,
+)
 from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_latency
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
@@ -50,6 +58,7 @@ def run(args) -> dict:
                     "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed}
     kvtide = KvtideAdapter({"model": model_dir, "max_model_len": None, "engine_kwargs": engine_kwargs_from_args(args)})
     result["kvtide"] = run_latency(kvtide, workload)
+    result["machine"] = machine_record()  # after kvtide loaded: with its GEMM choices
     del kvtide
     if args.hf:
         hf = HFAdapter({"model": model_dir})
@@ -59,7 +68,8 @@ def run(args) -> dict:
 
 
 def format_result(result: dict) -> str:
-    lines = [f"one request: {result['input_len']} prompt tokens, {result['output_len']} output tokens; "
+    lines = [format_machine(result["machine"])] if "machine" in result else []
+    lines += [f"one request: {result['input_len']} prompt tokens, {result['output_len']} output tokens; "
              f"median of {result['num_iters']} iterations"]
     for key, label in (("kvtide", "kvtide"), ("hf", "HF transformers")):
         r = result.get(key)

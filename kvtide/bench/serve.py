@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 
 from kvtide.bench import client as oai
+from kvtide.bench.common import format_machine, machine_record
 from kvtide.bench.datasets import (
     Conversation,
     add_dataset_args,
@@ -221,6 +222,8 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "ignore_eos": options.ignore_eos, "usage_reported": options.include_usage,
         "min_tokens_sent": options.min_tokens,
+        # The client's machine; its GEMM choices (from the disk cache) are the server's when local.
+        "machine": machine_record(),
     })
     result["_records"] = run.records
     result["_t0"] = t0
@@ -274,6 +277,7 @@ def main_serve(args) -> int:
     result = asyncio.run(run_serve_benchmark(args))
     write_outputs(args, result)
     print(format_report(result))
+    print(format_machine(result["machine"]))
     if result.get("plots") == []:
         print("plots: matplotlib is not installed (pip install 'kvtide[plots]')", file=sys.stderr)
     return 0 if result["completed"] else 1

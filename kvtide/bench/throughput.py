@@ -24,7 +24,9 @@ import sys
 from dataclasses import fields
 
 from kvtide.bench.common import (
+    format_machine,
     greedy_agreement,
+    machine_record,
     measure_matmul_peak,
     module_main,
     print_and_save,
@@ -107,6 +109,7 @@ def run(args) -> dict:
 
     kvtide = KvtideAdapter({"model": model_dir, "max_model_len": None, "engine_kwargs": engine_kwargs_from_args(args)})
     result["kvtide"] = _measure(kvtide, prompts, output_lens, args.warmup)
+    result["machine"] = machine_record()  # after kvtide loaded: with its GEMM choices
     kvtide_tokens = result["kvtide"].pop("token_ids")
     result.update(vllm_throughput_keys(result["kvtide"]))
     if args.profile:
@@ -155,7 +158,8 @@ def profile_generate(adapter, prompts: list[list[int]], output_lens: list[int], 
 
 
 def format_result(result: dict) -> str:
-    lines = [f"workload: {result['num_prompts']} requests x {result['input_len']} prompt tokens x "
+    lines = [format_machine(result["machine"])] if "machine" in result else []
+    lines += [f"workload: {result['num_prompts']} requests x {result['input_len']} prompt tokens x "
              f"{result['output_len']} output tokens (greedy, EOS ignored); {result['workload_tflop']:.2f} TFLOP "
              f"of matmuls; torch threads {result['torch_threads']}"]
     peak = result.get("matmul_peak_gflop_per_s")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtide.layers.cpu_prepack import linear
+from kvtide.layers.cpu_gemm import GemmPlan, linear
 from kvtide.layers.linear import default_weight_loader
 
 
@@ -24,8 +24,8 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.prepacked: torch.Tensor | None = None
-        """MKL-packed copy of `weight` on CPU (layers/cpu_prepack.py), else None."""
+        self.prepacked: GemmPlan | None = None
+        """On CPU, the GEMM kernels chosen for `weight` per row count (layers/cpu_gemm.py); None: F.linear."""
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return linear(hidden_states, self.weight, None, self.prepacked)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvtide.layers.cpu_prepack import linear
+from kvtide.layers.cpu_gemm import GemmPlan, linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -32,8 +32,9 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.prepacked: torch.Tensor | None = None
-        """MKL-packed copy of `weight` on CPU (layers/cpu_prepack.py), else None."""
+        self.prepacked: GemmPlan | None = None
+        """On CPU, the GEMM kernel measured fastest per row count, with its packed copy of `weight`
+        (layers/cpu_gemm.py); None: F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.prepacked)

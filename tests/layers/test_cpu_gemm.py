@@ -1,0 +1,234 @@
+"""CPU GEMM chooser (kvtide/layers/cpu_gemm.py): every kernel it may pick is accurate, it picks only
+those, measures each shape once per machine, and 'off' leaves F.linear alone."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtide import LLM, SamplingParams
+from kvtide.engine_args import EngineArgs
+from kvtide.layers import cpu_gemm
+from kvtide.layers.cpu_gemm import (
+    BUCKETS,
+    CANDIDATES,
+    F_LINEAR,
+    Candidate,
+    GemmPlan,
+    available_candidates,
+    numerics_ok,
+    prepack_weights,
+)
+from kvtide.layers.embedding import LMHead
+from kvtide.layers.linear import LinearBase
+
+ROW_COUNTS = [1, 2, 5, 8, 9, 13, 64, 65, 100, 256, 257, 300]
+"""Every bucket, at and between its edges."""
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test its own verdict cache, so none reads another's (or the user's) verdicts."""
+    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
+
+
+def _layers(seed: int = 0) -> nn.Module:
+    """Small odd shapes, one with a bias, and an LM head: quick to measure."""
+    torch.manual_seed(seed)
+    model = nn.ModuleList([LinearBase(77, 131, bias=True), LinearBase(128, 96), LMHead(500, 64)])
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    return model
+
+
+def _fake_timing(monkeypatch, fastest: str) -> None:
+    """Measured seconds without measuring: `fastest` wins every bucket it passes, F.linear is next."""
+    monkeypatch.setattr(cpu_gemm, "_time_calls",
+                        lambda fns: {name: 1e-6 if name == fastest else 1e-4 if name == F_LINEAR else 1e-3
+                                     for name in fns})
+
+
+def _assert_close_to_f_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> None:
+    w64 = weight.double()
+    reference = x.double() @ w64.T + (0 if bias is None else bias.double())
+    abs_sums = x.double().abs() @ w64.abs().T + (0 if bias is None else bias.double().abs())
+    assert numerics_ok(out, reference, F.linear(x, weight, bias), abs_sums, weight.shape[1])
+
+
+@pytest.mark.parametrize("name", available_candidates())
+@pytest.mark.parametrize("shape", [(131, 77, True), (96, 128, False), (1280, 768, True), (33, 2048, False)])
+def test_every_candidate_is_as_accurate_as_f_linear(name, shape):
+    n, k, has_bias = shape
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, k, generator=gen) * 0.02
+    bias = torch.randn(n, generator=gen) * 0.02 if has_bias else None
+    candidate = CANDIDATES[name]
+    packed = candidate.prepare(weight) if candidate.prepare else None
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, k, generator=gen)
+        _assert_close_to_f_linear(candidate.run(x, weight, bias, packed, rows), x, weight, bias)
+
+
+def test_the_bound_rejects_reduced_precision():
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(64, 768, generator=gen), torch.randn(256, 768, generator=gen) * 0.02
+    rounded = F.linear(x.bfloat16(), weight.bfloat16()).float()
+    reference = x.double() @ weight.double().T
+    abs_sums = x.double().abs() @ weight.double().abs().T
+    assert not numerics_ok(rounded, reference, F.linear(x, weight), abs_sums, 768)
+    assert not numerics_ok(F.linear(x, weight) * (1 + 2**-12), reference, F.linear(x, weight), abs_sums, 768)
+
+
+def test_a_fast_candidate_that_fails_numerics_is_never_chosen(monkeypatch):
+    def off_by_rounding(x, weight, bias, packed, rows):
+        return F.linear(x, packed, bias) * (1 + 2**-12)
+
+    monkeypatch.setitem(CANDIDATES, "broken", Candidate("broken", off_by_rounding, torch.clone, lambda: True))
+    _fake_timing(monkeypatch, "broken")
+    for mode in ("auto", "on"):
+        model = _layers()
+        prepack_weights(model, mode, use_cache=False)
+        for choices in cpu_gemm.LAST_CHOICES.values():
+            assert "broken" not in choices.values()
+    weight = _layers()[0].weight
+    verdicts = cpu_gemm.measure_shape(weight, None, ["f.linear", "broken"], {"broken": weight.clone()})
+    assert all(times["broken"] is None and times[F_LINEAR] is not None for times in verdicts.values())
+
+
+def test_a_fast_accurate_candidate_is_chosen_and_used(monkeypatch):
+    calls = []
+
+    def accurate(x, weight, bias, packed, rows):
+        calls.append(rows)
+        return F.linear(x, packed, bias)
+
+    monkeypatch.setitem(CANDIDATES, "good", Candidate("good", accurate, torch.clone, lambda: True))
+    _fake_timing(monkeypatch, "good")
+    model = _layers()
+    assert prepack_weights(model, "auto", use_cache=False) == len(model)
+    for layer in model:
+        assert isinstance(layer.prepacked, GemmPlan)
+        assert set(layer.prepacked.choices.values()) == {"good"}
+        assert set(layer.prepacked.packed) == {"good"}  # only the chosen kind keeps a copy
+    calls.clear()
+    x = torch.randn(5, 77)
+    assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+    assert calls == [5]
+
+
+@pytest.mark.parametrize("kernel", [n for n in available_candidates() if CANDIDATES[n].prepare])
+def test_chosen_plans_compute_f_linear_at_every_row_count(monkeypatch, kernel):
+    _fake_timing(monkeypatch, kernel)
+    model = _layers()
+    prepack_weights(model, "on")
+    assert all(set(layer.prepacked.choices.values()) == {kernel} for layer in model)
+    gen = torch.Generator().manual_seed(1)
+    for layer in model:
+        bias = getattr(layer, "bias", None)
+        for rows in [0, *ROW_COUNTS]:
+            x = torch.randn(rows, layer.weight.shape[1], generator=gen)
+            out = layer.logits(x) if isinstance(layer, LMHead) else layer(x)
+            assert out.shape == (rows, layer.weight.shape[0])
+            if rows:
+                _assert_close_to_f_linear(out, x, layer.weight, bias)
+        x3 = torch.randn(2, 3, layer.weight.shape[1], generator=gen)  # (batch, seq, K) inputs too
+        out3 = layer.logits(x3) if isinstance(layer, LMHead) else layer(x3)
+        assert torch.allclose(out3, F.linear(x3, layer.weight, bias), atol=1e-5)
+
+
+def test_verdicts_are_cached_per_machine_and_reused(monkeypatch, tmp_path):
+    _fake_timing(monkeypatch, "onednn-packed")
+    before = len(cpu_gemm.MEASURED_SHAPES)
+    prepack_weights(_layers(), "auto")
+    assert len(cpu_gemm.MEASURED_SHAPES) - before == 3
+    first = dict(cpu_gemm.LAST_CHOICES)
+    files = glob.glob(os.path.join(tmp_path, "cache", "gemm", "*.json"))
+    assert len(files) == 1 and "torch" in os.path.basename(files[0])
+
+    def fail(*args):
+        raise AssertionError("measured on a warm start")
+
+    monkeypatch.setattr(cpu_gemm, "measure_shape", fail)
+    prepack_weights(_layers(seed=1), "auto")  # same shapes, other weights: read from the cache
+    assert cpu_gemm.LAST_CHOICES == first
+    monkeypatch.undo()
+    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
+    _fake_timing(monkeypatch, "onednn-packed")
+    real_info = cpu_gemm.machine_info
+    monkeypatch.setattr(cpu_gemm, "machine_info", lambda: {**real_info(), "cpu_model": "Another CPU"})
+    before = len(cpu_gemm.MEASURED_SHAPES)
+    prepack_weights(_layers(), "auto")
+    assert len(cpu_gemm.MEASURED_SHAPES) - before == 3
+    assert len(glob.glob(os.path.join(tmp_path, "cache", "gemm", "*.json"))) == 2
+
+
+def test_off_never_packs_or_measures(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "measure_shape", lambda *a: pytest.fail("measured with 'off'"))
+    model = _layers()
+    assert prepack_weights(model, "off", available_bytes=1 << 40) == 0
+    assert all(layer.prepacked is None for layer in model)
+    assert set(cpu_gemm.LAST_CHOICES) == {"131x77+bias", "96x128", "500x64"}
+    assert all(set(c.values()) == {F_LINEAR} for c in cpu_gemm.LAST_CHOICES.values())
+
+
+def test_auto_packs_only_when_the_copies_fit_a_quarter_of_free_memory(monkeypatch):
+    _fake_timing(monkeypatch, "transposed")
+    need = 4 * sum(m.weight.nbytes for m in _layers())
+    assert prepack_weights(_layers(), "auto", available_bytes=need - 4) == 0
+    assert prepack_weights(_layers(), "auto", available_bytes=need) == 3
+    assert prepack_weights(_layers(), "on", available_bytes=0) == 3
+
+
+def test_at_most_one_packed_kind_per_layer():
+    verdicts = {b.name: {F_LINEAR: 1.0, "mkl-packed": 0.5 if i < 2 else 0.9, "onednn-packed": 0.9 if i < 2 else 0.1}
+                for i, b in enumerate(BUCKETS)}
+    choices = cpu_gemm.choose(verdicts, "auto")
+    assert set(choices.values()) == {"onednn-packed"}  # saves 3 x 0.9 against 2 x 0.5
+    verdicts = {b.name: {F_LINEAR: 1.0, "mkl-packed": 0.99, "onednn-packed": None} for b in BUCKETS}
+    assert set(cpu_gemm.choose(verdicts, "auto").values()) == {F_LINEAR}  # within MARGIN: not worth a copy
+    assert set(cpu_gemm.choose(verdicts, "on").values()) == {"mkl-packed"}
+
+
+def test_packing_leaves_the_weights_and_state_dict_alone(monkeypatch):
+    _fake_timing(monkeypatch, "onednn-packed")
+    model = _layers()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prepack_weights(model, "on")
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_mode_is_refused_before_anything_loads(llama_dir):
+    with pytest.raises(ValueError, match="cpu_weight_prepack must be one of auto, on, off; got 'yes'"):
+        EngineArgs(model=llama_dir, cpu_weight_prepack="yes").create_engine_config(llama_dir)
+    with pytest.raises(ValueError, match="cpu_weight_prepack"):
+        prepack_weights(_layers(), "always")
+
+
+def test_engine_outputs_agree_with_and_without_packed_kernels(checkpoint_factory, monkeypatch):
+    # 'on' puts a packed kernel on every shape (numerics checked for real, timing faked to save
+    # time); 16 decodes per step (bucket 9-64), the 16 prompts prefill together.
+    _fake_timing(monkeypatch, "onednn-packed")
+    model_dir = checkpoint_factory("LlamaForCausalLM", hidden_size=256, intermediate_size=512,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    prompts = [f"prompt {i}: " + "ab" * (i % 7) for i in range(16)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    results = {}
+    for mode in ("on", "off"):
+        llm = LLM(model=model_dir, cpu_weight_prepack=mode, kv_cache_memory="64MiB")
+        runner_model = llm.engine.core.executor.runner.model
+        num_planned = sum(m.prepacked is not None for m in runner_model.modules() if hasattr(m, "prepacked"))
+        results[mode] = (num_planned, [o.outputs[0] for o in llm.generate(prompts, params)])
+    assert results["off"][0] == 0
+    assert results["on"][0] >= 1
+    for on, off in zip(results["on"][1], results["off"][1], strict=True):
+        assert on.token_ids == off.token_ids
+        for lp_on, lp_off, token in zip(on.logprobs, off.logprobs, on.token_ids, strict=True):
+            assert abs(lp_on[token].logprob - lp_off[token].logprob) < 1e-4
