@@ -56,17 +56,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        # (T, H + 2 * H_kv, D): one view of the fused projection, then q | k | v by head (views)
+        heads = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        v = heads[:, qk_heads:]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = self.q_norm(heads[:, :self.num_heads])
+            k = self.k_norm(heads[:, self.num_heads:qk_heads])
             q, k = self.rotary_emb(cos_sin, q, k)
         else:  # q and k neighbour in qkv: rotated together
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary_emb.forward_qk(cos_sin, qk, self.num_heads)
+            q, k = self.rotary_emb.forward_qk(cos_sin, heads[:, :qk_heads], self.num_heads)
         return self.o_proj(self.attn(q, k, v, metadata))
 
 

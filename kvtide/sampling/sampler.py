@@ -12,6 +12,7 @@ Rows with non-finite logits are reported, and only those requests fail.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,14 +45,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         # A row sums to a finite value iff every logit is finite (bar overflow of a finite sum,
-        # which the exact check then clears): one cheap reduction instead of a full isfinite pass.
-        finite = torch.isfinite(logits.sum(dim=-1))
-        bad_rows = (~finite).nonzero().flatten().tolist()
+        # which the exact check then clears): one cheap reduction instead of a full isfinite pass,
+        # read back as floats and checked in Python (one op instead of four tiny ones per step).
+        bad_rows = [i for i, total in enumerate(logits.sum(dim=-1).tolist()) if not math.isfinite(total)]
         if bad_rows:
             finite = torch.isfinite(logits).all(dim=-1)
             bad_rows = (~finite).nonzero().flatten().tolist()
-        if bad_rows:
-            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+            if bad_rows:
+                logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
 
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.needs_processing:

@@ -10,11 +10,12 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
-from kvtide.layers.cpu_prepack import prepack_weights
+from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
 from kvtide.sampling.ops import compute_top_logprobs
@@ -146,45 +147,7 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        num_sched = so.num_scheduled_tokens
-        # Decodes (one token) first, so the backend can batch them.
-        order = sorted(num_sched, key=lambda r: num_sched[r] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for i, req_id in enumerate(order):
-            state = self.requests[req_id]
-            start, n = state.num_computed_tokens, num_sched[req_id]
-            input_ids.extend(state.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            if start + n >= len(state.token_ids):
-                sample_rows.append(i)
-        num_decodes = sum(1 for r in order if num_sched[r] == 1)
-        max_blocks = max(len(self.requests[r].block_ids) for r in order)
-        block_tables = torch.tensor([self.requests[r].block_ids + [0] * (max_blocks - len(self.requests[r].block_ids))
-                                     for r in order], dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        lens = torch.tensor([num_sched[r] for r in order], dtype=torch.int64)
-        token_req = torch.repeat_interleave(torch.arange(len(order)), lens)
-        block_of_token = block_tables[token_req, positions_t // self.block_size].to(torch.int64)
-        slot_mapping = block_of_token * self.block_size + positions_t % self.block_size
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_reqs=len(order), num_decodes=num_decodes, num_actual_tokens=len(input_ids),
-            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32), dev),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
-            block_tables=to_device(block_tables, dev), slot_mapping=to_device(slot_mapping, dev),
-            max_query_len=int(lens.max()), max_seq_len=max(seq_lens), block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
-            row_uids=[self.requests[r].uid for r in order])
-        logits_indices = to_device(torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows],
-                                                dtype=torch.int64), dev)
-        return StepInputs(to_device(torch.tensor(input_ids, dtype=torch.int64), dev), to_device(positions_t, dev),
-                          metadata, order, sample_rows, logits_indices)
+        return prepare_step_inputs(so.num_scheduled_tokens, self.requests, self.block_size, self.device)
 
     def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
@@ -202,3 +165,53 @@ class ModelRunner:
             for j, pos in enumerate(range(start, end)):
                 entries.append(compute_top_logprobs(logprobs[j], state.token_ids[pos + 1], k))
             output.prompt_logprobs[req_id] = entries
+
+
+def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str, CachedRequestState],
+                        block_size: int, device: torch.device) -> StepInputs:
+    """One step's flat tensors, decodes first. The index math runs in numpy over the whole batch
+    (a numpy op costs a fraction of a torch op's dispatch, and this runs every step); only the
+    token ids and block ids are gathered per request.
+
+        lens [1, 1, 3] at starts [7, 4, 0]  ->  positions [7, 4, 0, 1, 2]
+        slot_mapping = block_tables[request of token, position // block_size] * block_size
+                       + position % block_size
+    """
+    num_sched = num_scheduled_tokens
+    order = sorted(num_sched, key=lambda r: num_sched[r] != 1)
+    states = [requests[r] for r in order]
+    lens = [num_sched[r] for r in order]
+    starts = [state.num_computed_tokens for state in states]
+    seq_lens = [start + n for start, n in zip(starts, lens, strict=True)]
+    query_start_loc = list(itertools.accumulate(lens, initial=0))
+    sample_rows = [i for i, (state, end) in enumerate(zip(states, seq_lens, strict=True))
+                   if end >= len(state.token_ids)]
+    input_ids: list[int] = []
+    for state, start, n in zip(states, starts, lens, strict=True):
+        input_ids.extend(state.token_ids[start:start + n])
+
+    max_blocks = max(len(state.block_ids) for state in states)
+    block_tables = np.zeros((len(order), max_blocks), dtype=np.int32)
+    for row, state in zip(block_tables, states, strict=True):
+        row[:len(state.block_ids)] = state.block_ids
+    lens_np = np.array(lens, dtype=np.int64)
+    token_req = np.repeat(np.arange(len(order)), lens_np)
+    # position of token t = t - (first token index of its request) + its request's start
+    offsets = np.array(starts, dtype=np.int64) - np.array(query_start_loc[:-1], dtype=np.int64)
+    positions = np.arange(query_start_loc[-1], dtype=np.int64) + offsets[token_req]
+    slot_mapping = block_tables[token_req, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+
+    metadata = AttentionMetadata(
+        num_reqs=len(order), num_decodes=lens.count(1), num_actual_tokens=len(input_ids),
+        query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32), device),
+        seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+        block_tables=to_device(torch.from_numpy(block_tables), device),
+        slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
+        max_query_len=max(lens), max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+        row_uids=[state.uid for state in states])
+    logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
+    return StepInputs(to_device(torch.tensor(input_ids, dtype=torch.int64), device),
+                      to_device(torch.from_numpy(positions), device), metadata, order, sample_rows,
+                      to_device(logits_indices, device))
