@@ -47,7 +47,8 @@ FIGURES = {
     "latency": [("ttft_ms", "TTFT ms", False), ("tpot_ms", "TPOT ms", False), ("tokens_per_s", "tok/s", True)],
     "serve": [("output_throughput", "output tok/s", True), ("request_throughput", "req/s", True),
               ("median_ttft_ms", "median TTFT ms", False), ("p99_ttft_ms", "p99 TTFT ms", False),
-              ("median_tpot_ms", "median TPOT ms", False), ("median_itl_ms", "median ITL ms", False)],
+              ("median_tpot_ms", "median TPOT ms", False), ("median_itl_ms", "median ITL ms", False),
+              ("request_goodput", "goodput req/s", True)],
 }
 ALL_ENGINES = ("kvtide", "hf", "vllm", "llamacpp")
 
@@ -86,6 +87,8 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=math.inf)
     g.add_argument("--burstiness", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, as kvtide bench serve's (e.g. ttft:1000 tpot:200)")
     group = parser.add_argument_group("engine (kvtide)")
     EngineArgs.add_cli_args(group, skip=("model", "seed"))
 
@@ -253,7 +256,8 @@ def _summarize(summary: dict) -> None:
         for key, _, _ in FIGURES[workload]:
             values = {e: [r.get(key) for r in results if r.get("ok", True) and r.get(key) is not None]
                       for e, results in per_engine.items()}
-            figures[workload][key] = ratio_stats({e: v for e, v in values.items() if v})
+            if any(values.values()):  # goodput only when SLOs were given
+                figures[workload][key] = ratio_stats({e: v for e, v in values.items() if v})
     summary["figures"] = figures
 
 
@@ -305,7 +309,7 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
                 output_len=args.output_len, random_input_len=args.input_len, random_output_len=args.output_len,
                 random_range_ratio=0.0, request_rate=args.request_rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, num_warmups=1, seed=round_seed(args.seed, repeat), temperature=0.0,
-                ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=None, metric_percentiles="90,99,99.9", request_timeout=600.0,
+                ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=args.goodput, metric_percentiles="90,99,99.9", request_timeout=600.0,
                 disable_tqdm=True, metrics_interval=0.5)
             try:
                 with peers.others_paused([server for name, server in servers.items() if name != engine]):
