@@ -669,16 +669,17 @@ def test_stop_token_inside_min_tokens_is_not_a_stop():
     d.assert_drained()
 
 
-def test_runner_failure_fails_only_that_request():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_runner_failure_fails_only_that_request(async_scheduling):
     class FailingRunner(FakeRunner):
         def execute(self, so):
             out = super().execute(so)
             if "bad" in out.sampled_token_ids:
-                del out.sampled_token_ids["bad"]
+                del out.sampled_token_ids["bad"]  # the runner still keeps a token for a step scheduled ahead
                 out.failed["bad"] = "non-finite logits"
             return out
 
-    core = make_core()
+    core = make_core(async_scheduling=async_scheduling)
     core.executor = FailingRunner(64, 4)
     d = Driver(core)
     d.add(core_request("bad", prompt_of(5), max_tokens=4))
@@ -754,22 +755,3 @@ def test_finish_reasons_scheduled_ahead(async_scheduling):
                    for so in d.runner.outputs[3:])
     d.assert_drained()
 
-
-def test_runner_failure_scheduled_ahead_fails_only_that_request():
-    class FailingRunner(FakeRunner):
-        def execute(self, so):
-            out = super().execute(so)
-            if "bad" in out.sampled_token_ids:
-                del out.sampled_token_ids["bad"]  # the runner still keeps a token for the next step
-                out.failed["bad"] = "non-finite logits"
-            return out
-
-    core = make_core(async_scheduling=True)
-    core.executor = FailingRunner(64, 4)
-    d = Driver(core)
-    d.add(core_request("bad", prompt_of(5), max_tokens=4))
-    d.add(core_request("good", prompt_of(6, 1), max_tokens=4))
-    d.run()
-    assert d.trace.finish["bad"].finish_reason == "abort" and d.trace.finish["bad"].error
-    assert d.trace.tokens["good"] == expected_output(prompt_of(6, 1), 4)
-    d.assert_drained()
