@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,20 +29,11 @@ from paged_batches import make_paged_batch  # noqa: E402
 from kvtide.attention import cpu_backend, cpu_extension  # noqa: E402
 from kvtide.attention.backend import AttentionMetadata  # noqa: E402
 from kvtide.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvtide.machine import cpu_model_name  # noqa: E402
 
 LAYERS = 4
 STEPS = 8
 """Decode steps per repetition (after as many warm-up steps)."""
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def old_mirror_backend(commit: str) -> Callable[[], object] | None:
@@ -112,7 +102,7 @@ def bench_decode(name: str, contexts: list[int], heads: int, kv_heads: int, head
         for label, backend in instances.items():  # every backend at the same context lengths
             times[label].append(run(backend, rep * STEPS))
     figures = ", ".join(f"{label} {statistics.median(t) * 1e6:7.0f} us" for label, t in times.items())
-    print(f"{name:<44} [{cpu_model()}, kernel ISA {isa}, {torch.get_num_threads()} threads] {figures}",
+    print(f"{name:<44} [{cpu_model_name()}, kernel ISA {isa}, {torch.get_num_threads()} threads] {figures}",
           flush=True)
 
 
@@ -134,7 +124,7 @@ def bench_short_rows(reps: int, isa: str) -> None:
                 times[label].append((time.perf_counter() - start) / 10)
                 cpu_backend.KERNEL_MAX_QUERY_LEN = old
         figures = ", ".join(f"{label} {statistics.median(t[1:]) * 1e6:7.0f} us" for label, t in times.items())
-        print(f"8 rows x q_len {q_len:>2} over 256 cached, H=12 H_kv=4 D=64 [{cpu_model()}, {isa}] {figures}",
+        print(f"8 rows x q_len {q_len:>2} over 256 cached, H=12 H_kv=4 D=64 [{cpu_model_name()}, {isa}] {figures}",
               flush=True)
 
 

@@ -21,31 +21,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
-    return (f"{model}; {os.cpu_count()} logical cores; torch {torch.__version__}, "
-            f"capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
-            f"flags: {' '.join(isa) or '-'}")
+from kvtide.machine import describe_machine
 
 
 class ExclusiveTimers:
@@ -172,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         key, value = item.split("=", 1)
         extra[key] = {"true": True, "false": False}.get(value.lower(), value)
     model_dir = resolve_model(args.model)
-    print(f"machine: {cpu_description()}")
+    print(describe_machine())
     print(f"model: {model_dir}  dtype {args.dtype}  prompt {args.prompt_len} tokens, batch 1, greedy")
     start = time.perf_counter()
     llm = LLM(model=model_dir, dtype=args.dtype, **extra)
