@@ -389,16 +389,16 @@ MEASURED_SHAPES: list[str] = []
 
 def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = None,
                     use_cache: bool = True) -> int:
-    """Give each CPU float32 layer with a `prepacked` attribute (linears, LM head) the GemmPlan of
+    """Give each CPU float32 layer with a `gemm_plan` attribute (linears, LM head) the GemmPlan of
     its shape, with the packed copy it needs. Returns the number of layers given a plan.
     `available_bytes` (default: MemAvailable) bounds 'auto'."""
     global _PLANNED_HERE
     check_mode(mode)
     _PLANNED_HERE = True
-    layers = [m for m in model.modules() if hasattr(m, "prepacked") and m.weight.dtype == torch.float32
+    layers = [m for m in model.modules() if hasattr(m, "gemm_plan") and m.weight.dtype == torch.float32
               and m.weight.device.type == "cpu" and m.weight.dim() == 2]
     for layer in layers:
-        layer.prepacked = None
+        layer.gemm_plan = None
     LAST_CHOICES.clear()
     if mode == "off":
         LAST_CHOICES.update({shape_key(m.weight, _bias(m)): {b.name: F_LINEAR for b in BUCKETS} for m in layers})
@@ -421,7 +421,7 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         kinds = {c for c in chosen.values() if c != F_LINEAR}
         if kinds:
             packed = {kind: CANDIDATES[kind].prepare(layer.weight) for kind in kinds}
-            layer.prepacked = GemmPlan(chosen, packed)
+            layer.gemm_plan = GemmPlan(chosen, packed)
             planned += 1
     logger.info("GEMM: %d of %d CPU linear layers use a packed weight (%.0f MiB of copies)", planned,
                 len(layers), copies / 2**20 if planned else 0)
@@ -447,12 +447,11 @@ def _choices_by_shape(layers: list[nn.Module], mode: str, use_cache: bool) -> di
         if skey in choices:
             continue
         verdicts = cached.get(skey)
-        if (verdicts is None or {b.name for b in BUCKETS} - verdicts.keys()) and \
-                time.perf_counter() - start > MEASURE_BUDGET_S:
-            logger.info("GEMM %s: f.linear (measuring ran past %.0f s; not measured)", skey, MEASURE_BUDGET_S)
-            choices[skey] = {b.name: F_LINEAR for b in BUCKETS}
-            continue
         if verdicts is None or {b.name for b in BUCKETS} - verdicts.keys():
+            if time.perf_counter() - start > MEASURE_BUDGET_S:
+                logger.info("GEMM %s: f.linear (measuring ran past %.0f s; not measured)", skey, MEASURE_BUDGET_S)
+                choices[skey] = {b.name: F_LINEAR for b in BUCKETS}
+                continue
             packed = {n: CANDIDATES[n].prepare(weight) for n in names if CANDIDATES[n].prepare}
             verdicts = new[skey] = measure_shape(weight, bias, names, packed)
             MEASURED_SHAPES.append(skey)

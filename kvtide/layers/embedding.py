@@ -24,11 +24,11 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.prepacked: GemmPlan | None = None
+        self.gemm_plan: GemmPlan | None = None
         """On CPU, the GEMM kernels chosen for `weight` per row count (layers/cpu_gemm.py); None: F.linear."""
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.weight, None, self.prepacked)
+        return linear(hidden_states, self.weight, None, self.gemm_plan)
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight

@@ -32,12 +32,12 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.prepacked: GemmPlan | None = None
+        self.gemm_plan: GemmPlan | None = None
         """On CPU, the GEMM kernel measured fastest per row count, with its packed copy of `weight`
         (layers/cpu_gemm.py); None: F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.prepacked)
+        return linear(x, self.weight, self.bias, self.gemm_plan)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)

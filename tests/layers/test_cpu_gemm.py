@@ -113,9 +113,9 @@ def test_a_fast_accurate_candidate_is_chosen_and_used(monkeypatch):
     model = _layers()
     assert prepack_weights(model, "auto", use_cache=False) == len(model)
     for layer in model:
-        assert isinstance(layer.prepacked, GemmPlan)
-        assert set(layer.prepacked.choices.values()) == {"good"}
-        assert set(layer.prepacked.packed) == {"good"}  # only the chosen kind keeps a copy
+        assert isinstance(layer.gemm_plan, GemmPlan)
+        assert set(layer.gemm_plan.choices.values()) == {"good"}
+        assert set(layer.gemm_plan.packed) == {"good"}  # only the chosen kind keeps a copy
     calls.clear()
     x = torch.randn(5, 77)
     assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
@@ -127,7 +127,7 @@ def test_chosen_plans_compute_f_linear_at_every_row_count(monkeypatch, kernel):
     _fake_timing(monkeypatch, kernel)
     model = _layers()
     prepack_weights(model, "on")
-    assert all(set(layer.prepacked.choices.values()) == {kernel} for layer in model)
+    assert all(set(layer.gemm_plan.choices.values()) == {kernel} for layer in model)
     gen = torch.Generator().manual_seed(1)
     for layer in model:
         bias = getattr(layer, "bias", None)
@@ -172,7 +172,7 @@ def test_off_never_packs_or_measures(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda *a: pytest.fail("measured with 'off'"))
     model = _layers()
     assert prepack_weights(model, "off", available_bytes=1 << 40) == 0
-    assert all(layer.prepacked is None for layer in model)
+    assert all(layer.gemm_plan is None for layer in model)
     assert set(cpu_gemm.LAST_CHOICES) == {"131x77+bias", "96x128", "500x64"}
     assert all(set(c.values()) == {F_LINEAR} for c in cpu_gemm.LAST_CHOICES.values())
 
@@ -224,7 +224,7 @@ def test_engine_outputs_agree_with_and_without_packed_kernels(checkpoint_factory
     for mode in ("on", "off"):
         llm = LLM(model=model_dir, cpu_weight_prepack=mode, kv_cache_memory="64MiB")
         runner_model = llm.engine.core.executor.runner.model
-        num_planned = sum(m.prepacked is not None for m in runner_model.modules() if hasattr(m, "prepacked"))
+        num_planned = sum(m.gemm_plan is not None for m in runner_model.modules() if hasattr(m, "gemm_plan"))
         results[mode] = (num_planned, [o.outputs[0] for o in llm.generate(prompts, params)])
     assert results["off"][0] == 0
     assert results["on"][0] >= 1
