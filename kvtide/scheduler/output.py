@@ -46,7 +46,8 @@ class SchedulerOutput:
     """(src, dst) block ids: copy each src block to dst in every layer's KV cache before the
     forward (copy-on-write of a block shared after a fork)."""
     num_computed_before: dict[str, int] = field(default_factory=dict)
-    """request id -> its computed tokens when this step was scheduled (where the step starts)."""
+    """request id -> its computed tokens when this step was scheduled (where the step starts), for
+    the requests that asked for prompt logprobs (their positions are counted from there)."""
     sampling_req_ids: set[str] = field(default_factory=set)
     """Requests this step reaches the end of (the runner samples their next token)."""
 

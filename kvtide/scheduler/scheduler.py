@@ -249,7 +249,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             block_copies=block_copies,
-            num_computed_before={r: self.requests[r].num_computed_tokens for r in num_scheduled},
+            num_computed_before={r: self.requests[r].num_computed_tokens for r in num_scheduled
+                                 if self.requests[r].sampling_params.prompt_logprobs is not None},
         )
         self._finished_req_ids = set()
         for req_id, num_new in num_scheduled.items():
