@@ -132,6 +132,8 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative_config: Any = None
+    """kvtide.spec_decode.config.SpeculativeConfig, or None: no speculative decoding."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

@@ -21,6 +21,7 @@ from kvtide.config import (
     resolve_dtype,
 )
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
+from kvtide.spec_decode.config import resolve_speculative_config
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -72,6 +73,11 @@ class EngineArgs:
     reference) or triton (auto: triton on CUDA, cpu on CPU)."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA with the triton backend)."""
+    speculative_config: str | dict | None = None
+    """Speculative decoding, as JSON: {"method": "ngram" | "draft_model" | "eagle" | "eagle3" | "medusa" |
+    "layer_skip", "num_speculative_tokens": K, ...} with "model" (draft or head checkpoint),
+    "prompt_lookup_min"/"prompt_lookup_max" (ngram), "num_layers" (layer_skip), "disable_by_batch_size",
+    "adaptive" (default true: per-request draft lengths from measured acceptance)."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -185,6 +191,14 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
+                                                 self.trust_remote_code, self.tokenizer)
+        async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if speculative is not None and async_scheduling:
+            if self.async_scheduling:
+                raise ValueError("--async-scheduling does not combine with speculative decoding yet (each step's "
+                                 "drafts follow from the last step's accepted tokens); drop one of them")
+            async_scheduling = False
         return EngineConfig(
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=dtype,
                                      max_model_len=max_model_len, seed=self.seed,
@@ -198,11 +212,11 @@ class EngineArgs:
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              policy=self.scheduling_policy,
                                              max_waiting_requests=self.max_waiting_requests,
-                                             async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                                               else self.async_scheduling)),
+                                             async_scheduling=async_scheduling),
             device_config=DeviceConfig(device=device, attention_backend=backend,
                                        enforce_eager=self.enforce_eager,
                                        cpu_weight_prepack=self.cpu_weight_prepack),
+            speculative_config=speculative,
         )
 
     def replace(self, **kwargs) -> EngineArgs:

@@ -62,6 +62,9 @@ class SamplingParams:
     cache_salt: str | None = None
     """Tenant key mixed into the first prefix-cache block hash: different salts never share KV."""
     detokenize: bool = True
+    speculation: bool = True
+    """With a speculative-config engine, let this request be sped up by draft tokens (False: it
+    always decodes one token per step; its output is the same either way for greedy requests)."""
     # Filled by the engine: EOS of the model, so stop checks need no tokenizer.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

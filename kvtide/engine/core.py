@@ -21,6 +21,7 @@ The same class runs in-process (offline LLM) or inside the engine-core process (
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -30,8 +31,12 @@ from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
+from kvtide.spec_decode.metrics import difference, summarize
+from kvtide.spec_decode.policy import SpecDecodePolicy
 
 logger = logging.getLogger(__name__)
+
+SPEC_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -43,8 +48,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   config.model_config.max_model_len)
+                                   config.model_config.max_model_len,
+                                   SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None)
+        self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
+        """When the speculative decoding line was last logged, and the counters then."""
         self.beam_search = BeamSearch(self.scheduler)
         self.num_steps = 0
         self._worker: ThreadPoolExecutor | None = None
@@ -101,7 +110,25 @@ class EngineCore:
         self.num_steps += 1
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.scheduler.spec_policy is not None:
+            self._log_spec_decoding()
         return outputs + self.beam_search.advance(stalled=scheduler_output.is_empty)
+
+    def _log_spec_decoding(self) -> None:
+        """Every SPEC_LOG_INTERVAL_S: the acceptance figures of the interval."""
+        now = time.monotonic()
+        last_time, last = self._spec_logged
+        if now - last_time < SPEC_LOG_INTERVAL_S:
+            return
+        counters = self.scheduler.spec_stats.as_dict()
+        figures = summarize(difference(counters, last))
+        self._spec_logged = (now, counters)
+        if figures is not None:
+            logger.info("speculative decoding: mean accepted length %.2f, acceptance rate %.3f, %d drafts, "
+                        "%d draft tokens, %d accepted; per position %s", figures["mean_accepted_length"],
+                        figures["acceptance_rate"], figures["num_drafts"], figures["num_draft_tokens"],
+                        figures["num_accepted_tokens"],
+                        ", ".join(f"{r:.2f}" for r in figures["acceptance_rate_per_pos"]))
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -36,4 +36,6 @@ class SchedulerStats:
     num_evictable_blocks: int = 0
     num_blocks: int = 0
     step_tokens: int = 0
+    spec_decoding: dict | None = None
+    """Speculative decoding counters (spec_decode/metrics.py), None when speculation is off."""
     extra: dict = field(default_factory=dict)

@@ -77,6 +77,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.fork_of = core_request.fork_of
+        self.spec_stats = None
+        """Speculative decoding: this request's acceptance estimate (spec_decode/policy.py)."""
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

@@ -137,14 +137,25 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    """Layers whose input (the residual stream after the layer before) a forward pass keeps in
+    `aux_hidden_states`: the features an EAGLE-3 draft head reads."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions (T,) -> hidden states (T, hidden_size)."""
+                metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, hidden_size). `num_layers` runs only the
+        first layers, then the final norm (self-speculation drafts through an early exit)."""
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions)
         residual = None
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(hidden_states if residual is None else hidden_states + residual)
             hidden_states, residual = layer(cos_sin, hidden_states, residual, metadata)
+        if self.aux_hidden_state_layers:
+            self.aux_hidden_states = aux
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

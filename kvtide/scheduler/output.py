@@ -50,6 +50,9 @@ class SchedulerOutput:
     the requests that asked for prompt logprobs (their positions are counted from there)."""
     sampling_req_ids: set[str] = field(default_factory=set)
     """Requests this step reaches the end of (the runner samples their next token)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """request id -> draft slots among its scheduled tokens: the runner proposes up to that many
+    drafts after the request's last token and verifies them in this step."""
 
     @property
     def is_empty(self) -> bool:
@@ -75,3 +78,9 @@ class ModelRunnerOutput:
     """request id -> logprobs of prompt positions 1.. computed this step."""
     failed: dict[str, str] = field(default_factory=dict)
     """request id -> error; only those requests fail (e.g. non-finite logits)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> accepted draft tokens, emitted in order before its sampled token."""
+    spec_logprobs: dict[str, list[TopLogprobs | None]] = field(default_factory=dict)
+    """request id -> logprobs of each accepted draft token (None entries when not asked)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """request id -> drafts the proposer made and the step verified (<= its draft slots)."""

@@ -8,6 +8,13 @@ Each step:
      the rest of the prompt is scheduled in a chunk that fits the budget.
 Prefill chunks, decodes and recomputation after preemption all go through the same path.
 
+Speculative decoding: a decoding request may get 1 + k tokens, its last token and k draft slots
+(the runner fills them with a proposer's drafts and verifies all k + 1 in one pass). The drafts'
+KV slots are allocated like any others; when the runner reports how many were accepted,
+num_computed_tokens rolls back over the rejected ones, whose slots the next step overwrites.
+Drafts never enter the request's token ids until accepted, so a block holding unverified tokens
+is never published to the prefix cache. k comes from the adaptive policy (spec_decode/policy.py).
+
 Forks: a request naming `fork_of` (the n > 1 / best_of siblings) is held until that sibling has
 computed the prompt, then shares its blocks (KVCacheManager.fork) and computes only the last prompt
 token; `fork_request` is also the hook beam search uses for its beams.
@@ -31,6 +38,8 @@ from kvtide.scheduler.output import (
     SchedulerOutput,
     TopLogprobs,
 )
+from kvtide.spec_decode.metrics import SpecDecodingStats
+from kvtide.spec_decode.policy import AcceptanceStats, SpecDecodePolicy
 
 
 class WaitingQueue:
@@ -81,8 +90,10 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, spec_policy: SpecDecodePolicy | None = None) -> None:
         self.config = scheduler_config
+        self.spec_policy = spec_policy
+        self.spec_stats = SpecDecodingStats(spec_policy.config.num_speculative_tokens if spec_policy else 0)
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
@@ -211,6 +222,8 @@ class Scheduler:
             # scheduled this step, and the budget goes to the most urgent first.
             self.running.sort(key=Request.sort_key)
         remaining = list(self.running)
+        num_drafts: dict[str, int] = {}
+        speculates = self.spec_policy is not None and self.spec_policy.speculates(len(self.running))
         while remaining and budget > 0:
             request = remaining.pop(0)
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget,
@@ -218,6 +231,10 @@ class Scheduler:
             if num_new <= 0 or self._ends_by_length(request):
                 scheduled_running.append(request)
                 continue
+            k = self._num_draft_tokens(request, budget) if speculates and num_new == 1 else 0
+            if k:
+                num_new += k
+                num_drafts[request.request_id] = k
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -229,6 +246,7 @@ class Scheduler:
                     break
                 remaining.remove(victim)
             if new_blocks is None:
+                num_drafts.pop(request.request_id, None)
                 continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -251,6 +269,7 @@ class Scheduler:
             block_copies=block_copies,
             num_computed_before={r: self.requests[r].num_computed_tokens for r in num_scheduled
                                  if self.requests[r].sampling_params.prompt_logprobs is not None},
+            num_draft_tokens=num_drafts,
         )
         self._finished_req_ids = set()
         for req_id, num_new in num_scheduled.items():
@@ -261,6 +280,20 @@ class Scheduler:
                 request.num_output_placeholders += 1
                 output.sampling_req_ids.add(req_id)
         return output
+
+    def _num_draft_tokens(self, request: Request, budget: int) -> int:
+        """Draft slots for a decoding request: the policy's choice, capped by the step's budget and
+        by what the request may still emit (max_tokens, max_model_len)."""
+        params = request.sampling_params
+        if (not params.speculation or params.use_beam_search or request.num_output_placeholders
+                or request.num_output_tokens == 0):
+            return 0
+        assert self.spec_policy is not None
+        if request.spec_stats is None:
+            request.spec_stats = AcceptanceStats()
+        k = self.spec_policy.num_draft_tokens(request.spec_stats)
+        return max(min(k, budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1), 0)
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the tokens still to be reported finish the request by length: a step scheduled
@@ -356,17 +389,25 @@ class Scheduler:
                 continue
             token_id = runner_output.sampled_token_ids.get(req_id)
             if token_id is not None:
-                request.append_output_token(token_id)
+                accepted = runner_output.spec_token_ids.get(req_id, [])
+                if req_id in scheduler_output.num_draft_tokens:
+                    self._account_drafts(request, scheduler_output.num_draft_tokens[req_id],
+                                         runner_output.num_draft_tokens.get(req_id, 0), len(accepted))
+                logprobs = (runner_output.spec_logprobs.get(req_id) or [None] * len(accepted)) \
+                    + [runner_output.logprobs.get(req_id)]
+                for token, entry in zip(accepted + [token_id], logprobs, strict=True):
+                    request.append_output_token(token)
+                    out.new_token_ids.append(token)
+                    if entry is not None:
+                        out.new_logprobs = (out.new_logprobs or []) + [_as_tuple(entry)]
+                    if self._check_stop(request):  # a stop inside an accepted run drops the rest
+                        out.finish_reason = request.status.finish_reason
+                        out.stop_reason = request.stop_reason
+                        stopped.append(request)
+                        break
                 if req_id in self._pending_forks:  # the prompt is computed: siblings share it
                     for child in self._pending_forks.pop(req_id):
                         self.fork_request(request, child)
-                out.new_token_ids.append(token_id)
-                if req_id in runner_output.logprobs:
-                    out.new_logprobs = [_as_tuple(runner_output.logprobs[req_id])]
-                if self._check_stop(request):
-                    out.finish_reason = request.status.finish_reason
-                    out.stop_reason = request.stop_reason
-                    stopped.append(request)
             if out.new_token_ids or out.finished or out.new_prompt_logprobs:
                 outputs.append(out)
         if stopped:
@@ -377,6 +418,16 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    def _account_drafts(self, request: Request, num_slots: int, num_drafted: int, num_accepted: int) -> None:
+        """After a verification step: roll num_computed_tokens back over the rejected slots (those of
+        drafts the proposer did not fill included), and count the drafts for the metrics and the
+        request's acceptance estimate."""
+        request.num_computed_tokens -= num_slots - num_accepted
+        if num_drafted:
+            self.spec_stats.observe(num_drafted, num_accepted)
+            assert request.spec_stats is not None
+            request.spec_stats.observe(num_drafted, num_accepted)
 
     def _unsent_prompt_logprobs(self, request: Request, start: int, entries: list[TopLogprobs]
                                 ) -> list[tuple[float, int, list[int], list[float]]] | None:
@@ -410,7 +461,7 @@ class Scheduler:
             kv_cache_usage=pool.usage(), num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             num_used_blocks=pool.num_used_blocks, num_evictable_blocks=pool.num_evictable_blocks,
-            num_blocks=pool.num_blocks)
+            num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None)
 
 
 class QueueFullError(ValueError):

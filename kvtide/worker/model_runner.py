@@ -55,7 +55,8 @@ class StepInputs:
     sample_rows: list[int]
     """Indices into `order` of requests that sample a token this step."""
     logits_indices: torch.Tensor
-    """(len(sample_rows),) token index of each sampling request's last token."""
+    """Token index of each sampling request's last token, preceded by those of its last token
+    before its drafts and of each draft but the last (verification reads them all)."""
 
 
 class ModelRunner:
@@ -80,10 +81,20 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
             prepack_weights(self.model, config.device_config.cpu_weight_prepack)
+        # ---- speculative decoding hook: proposes before the forward pass, verifies after it
+        self.spec = None
+        if config.speculative_config is not None:
+            from kvtide.spec_decode.worker import SpecDecodeWorker
+
+            self.spec = SpecDecodeWorker(config, self.model, self.device)
 
     # ---- KV cache ----------------------------------------------------------------------------
+    def _cached_attention_layers(self) -> list:
+        """Every attention layer given a KV cache: the target's, then a draft model's."""
+        return self.model.attention_layers() + (self.spec.attention_layers() if self.spec else [])
+
     def kv_bytes_per_block(self) -> int:
-        layers = self.model.attention_layers()
+        layers = self._cached_attention_layers()
         dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in layers)
 
@@ -91,7 +102,7 @@ class ModelRunner:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
         finite values) and bind it to the layer."""
         self.kv_caches = []
-        for attn in self.model.attention_layers():
+        for attn in self._cached_attention_layers():
             shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
                                                           attn.head_dim)
             cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
@@ -110,11 +121,14 @@ class ModelRunner:
                 self.attention_backend.copy_blocks(cache, src, dst)
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = self._prepare_inputs(so)
+        drafts = self.spec.propose(so, self.requests) if self.spec is not None and so.num_draft_tokens else {}
+        inputs = self._prepare_inputs(so, drafts)
         hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(so, inputs, hidden, output)
-        if inputs.sample_rows:
+        if inputs.sample_rows and self.spec is not None:
+            self._verify(inputs, hidden, drafts, output)
+        elif inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
             if FAULTS is not None:  # fault injection for the reliability tests (kvtide/testing/faults.py)
@@ -134,9 +148,24 @@ class ModelRunner:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
         return output
 
+    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, drafts: dict[str, list[int]],
+                output: ModelRunnerOutput) -> None:
+        """Sampling with speculative decoding: every sampling row through the verifier (a row
+        without drafts is an ordinary sample)."""
+        assert self.spec is not None
+        hidden_rows = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden_rows)
+        states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
+        emitted = self.spec.verify(self.sampler, logits, states, drafts, self.vocab_size, output)
+        for state, tokens in zip(states, emitted, strict=True):
+            state.token_ids.extend(tokens or [0])  # a failed row: an input for nothing, dropped
+        self.spec.observe(states, drafts, hidden_rows, emitted)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.spec is not None and so.finished_req_ids:
+            self.spec.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
@@ -146,8 +175,13 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        return prepare_step_inputs(so.num_scheduled_tokens, self.requests, self.block_size, self.device)
+    def _prepare_inputs(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
+        num_sched = so.num_scheduled_tokens
+        if so.num_draft_tokens:  # draft slots the proposer left empty are not computed
+            num_sched = dict(num_sched)
+            for req_id, slots in so.num_draft_tokens.items():
+                num_sched[req_id] -= slots - len(drafts.get(req_id, ()))
+        return prepare_step_inputs(num_sched, self.requests, self.block_size, self.device, drafts)
 
     def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
@@ -168,10 +202,12 @@ class ModelRunner:
 
 
 def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str, CachedRequestState],
-                        block_size: int, device: torch.device) -> StepInputs:
+                        block_size: int, device: torch.device,
+                        drafts: dict[str, list[int]] | None = None) -> StepInputs:
     """One step's flat tensors, decodes first. The index math runs in numpy over the whole batch
     (a numpy op costs a fraction of a torch op's dispatch, and this runs every step); only the
-    token ids and block ids are gathered per request.
+    token ids and block ids are gathered per request. A request with `drafts` computes them after
+    its last token (counted in its scheduled tokens) and gets logits at each of those positions.
 
         lens [1, 1, 3] at starts [7, 4, 0]  ->  positions [7, 4, 0, 1, 2]
         slot_mapping = block_tables[request of token, position // block_size] * block_size
@@ -184,11 +220,15 @@ def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str
     starts = [state.num_computed_tokens for state in states]
     seq_lens = [start + n for start, n in zip(starts, lens, strict=True)]
     query_start_loc = list(itertools.accumulate(lens, initial=0))
-    sample_rows = [i for i, (state, end) in enumerate(zip(states, seq_lens, strict=True))
-                   if end >= len(state.token_ids)]
+    drafts = drafts or {}
+    num_drafts = [len(drafts.get(r, ())) for r in order]
+    sample_rows = [i for i, (state, end, d) in enumerate(zip(states, seq_lens, num_drafts, strict=True))
+                   if end >= len(state.token_ids) + d]
     input_ids: list[int] = []
-    for state, start, n in zip(states, starts, lens, strict=True):
-        input_ids.extend(state.token_ids[start:start + n])
+    for req_id, state, start, n, d in zip(order, states, starts, lens, num_drafts, strict=True):
+        input_ids.extend(state.token_ids[start:start + n - d])
+        if d:
+            input_ids.extend(drafts[req_id])
 
     max_blocks = max(len(state.block_ids) for state in states)
     block_tables = np.zeros((len(order), max_blocks), dtype=np.int32)
@@ -211,7 +251,9 @@ def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str
         max_query_len=max(lens), max_seq_len=max(seq_lens), block_size=block_size,
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
         row_uids=[state.uid for state in states])
-    logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
+    logits_indices = torch.tensor([j for i in sample_rows
+                                   for j in range(query_start_loc[i + 1] - 1 - num_drafts[i], query_start_loc[i + 1])],
+                                  dtype=torch.int64)
     return StepInputs(to_device(torch.tensor(input_ids, dtype=torch.int64), device),
                       to_device(torch.from_numpy(positions), device), metadata, order, sample_rows,
                       to_device(logits_indices, device))

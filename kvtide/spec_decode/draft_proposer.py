@@ -1,0 +1,104 @@
+"""Proposals from a model run autoregressively over the paged KV cache (draft model, layer skip).
+
+A step's drafts for a row whose last token x sits at position s (the target computes s .. s+k):
+
+    catch-up   the draft computes its tokens [draft_computed, s] in one packed forward pass (the
+               prompt on its first proposal, then the tokens accepted since); its logits at x give d1
+    chain      d1 at s+1 gives d2, ..., d_{k-1} at s+k-1 gives d_k: k-1 single-token steps
+
+All rows of a step go through each forward together. The draft writes its KV into the target's
+block table slots (its own cache tensors for a draft model; the target's first layers' own for
+layer skip, where the target's verification rewrites the same values), so prefix caching,
+preemption and copy-on-write need nothing of their own: every slot the draft writes is one the
+target allocated for this step. A draft model's KV is trusted only for tokens it computed in this
+runner's life of the request (a new, preempted or forked request catches up from position 0), so
+a prefix-cache hit never hands it KV it did not write. Drafts are the draft's argmax (one-hot
+proposals; verification is then exact for greedy and sampled requests alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtide.sampling.ops import argmax_first
+from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
+
+Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+"""(input_ids, positions, metadata) -> hidden states (T, hidden)."""
+
+
+@dataclass
+class _DraftSequence:
+    """What prepare_step_inputs reads of a request, for the draft's own progress."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    uid: int
+
+
+class ChainProposer:
+    def __init__(self, forward: Forward, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 block_size: int, device: torch.device, catch_up: bool) -> None:
+        self.forward = forward
+        self.compute_logits = compute_logits
+        self.block_size = block_size
+        self.device = device
+        self.catch_up = catch_up
+        """Whether the draft keeps KV of its own (draft model) that lags the target's; False when it
+        reads the target's cache (layer skip: the target computed everything before x)."""
+        self._computed: dict[str, tuple[int, int]] = {}
+        """request id -> (runner uid, tokens whose draft KV is written)."""
+        self._fed: dict[str, int] = {}
+        """request id -> drafts the last chain fed back (their KV holds if they are accepted)."""
+
+    def propose(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
+        """rows: (request state, drafts wanted k >= 1); the state's last token is x, at position
+        state.num_computed_tokens. Returns k drafts per request."""
+        seqs: dict[str, _DraftSequence] = {}
+        num_sched: dict[str, int] = {}
+        wanted: dict[str, int] = {}
+        for state, k in rows:
+            start = state.num_computed_tokens
+            done = self._draft_computed(state) if self.catch_up else start
+            seqs[state.request_id] = _DraftSequence(list(state.token_ids), done, state.block_ids, state.uid)
+            num_sched[state.request_id] = start + 1 - done
+            wanted[state.request_id] = k
+            if self.catch_up:
+                # x's KV is the draft's own; the drafts' KV is trusted once accepted, next time.
+                self._computed[state.request_id] = (state.uid, start + 1)
+                self._fed[state.request_id] = k - 1
+        drafts: dict[str, list[int]] = {req_id: [] for req_id in wanted}
+        while num_sched:
+            inputs = prepare_step_inputs(num_sched, seqs, self.block_size, self.device)
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.metadata)
+            tokens = argmax_first(self.compute_logits(hidden[inputs.logits_indices])).tolist()
+            next_sched: dict[str, int] = {}
+            for row, token in zip(inputs.sample_rows, tokens, strict=True):
+                req_id = inputs.order[row]
+                seq = seqs[req_id]
+                seq.num_computed_tokens += num_sched[req_id]
+                seq.token_ids.append(token)
+                drafts[req_id].append(token)
+                if len(drafts[req_id]) < wanted[req_id]:
+                    next_sched[req_id] = 1
+            num_sched = next_sched
+        return drafts
+
+    def verified(self, request_id: str, num_accepted: int) -> None:
+        """After verification: the fed-back drafts that were accepted hold valid draft KV too."""
+        if request_id in self._fed and request_id in self._computed:
+            uid, done = self._computed[request_id]
+            self._computed[request_id] = (uid, done + min(num_accepted, self._fed.pop(request_id)))
+
+    def _draft_computed(self, state: CachedRequestState) -> int:
+        uid, done = self._computed.get(state.request_id, (-1, 0))
+        return min(done, state.num_computed_tokens) if uid == state.uid else 0
+
+    def forget(self, request_ids: set[str]) -> None:
+        for req_id in request_ids:
+            self._computed.pop(req_id, None)
+            self._fed.pop(req_id, None)

@@ -1,0 +1,153 @@
+"""The model runner's speculative-decoding hooks: propose before the forward pass, verify after it.
+
+    scheduler: request r gets 1 + k tokens (its last token x and k draft slots)
+    propose:   the method's proposer fills up to k drafts d1..dk after x
+    forward:   the target computes x, d1..dk in one pass (a short query row for the attention backend)
+    verify:    the sampler draws the target's token y_j at every position j, given the drafts
+               before it (penalties, seeds and logprobs as in non-speculative decoding); the run
+               d1..da matching y_0..y_{a-1} is accepted and y_a follows it
+
+Verification by matching a one-hot proposal is rejection sampling with q = 1 at the draft: the
+draft is accepted with probability p(d) = min(1, p(d)/q(d)), and on rejection y is distributed
+as p without d, renormalised (the normalised max(0, p - q)), so the output follows the target's
+distribution exactly, and a seeded request draws the same tokens as without speculation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtide.config import EngineConfig
+from kvtide.layers.cpu_gemm import prepack_weights
+from kvtide.models.loader import load_model
+from kvtide.sampling.metadata import RowState, SamplingMetadata
+from kvtide.sampling.sampler import Sampler
+from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.spec_decode.draft_proposer import ChainProposer
+from kvtide.spec_decode.ngram import NgramProposer
+from kvtide.spec_decode.rejection_sampler import accept_matching
+from kvtide.worker.model_runner import CachedRequestState
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecodeWorker:
+    def __init__(self, config: EngineConfig, target: torch.nn.Module, device: torch.device) -> None:
+        spec = config.speculative_config
+        assert spec is not None
+        self.config = spec
+        self.target = target
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.draft_model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.ngram = self.chain = self.medusa = None
+        self._last_hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        """Medusa: request id -> (runner uid, the target's hidden state that predicted its last token)."""
+        if spec.method == "ngram":
+            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec.method == "layer_skip":
+            layers = spec.num_layers
+
+            def early_exit(input_ids, positions, metadata):
+                return target(input_ids, positions, metadata, num_layers=layers)
+
+            self.chain = ChainProposer(early_exit, target.compute_logits, self.block_size, device, catch_up=False)
+        elif spec.method == "draft_model":
+            mc = config.model_config
+            self.draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
+            if device.type == "cpu":
+                prepack_weights(self.draft_model, config.device_config.cpu_weight_prepack)
+            self.chain = ChainProposer(self.draft_model, self.draft_model.compute_logits, self.block_size, device,
+                                       catch_up=True)
+        elif spec.method == "medusa":
+            from kvtide.spec_decode.heads.medusa import MedusaHeads
+
+            self.medusa = MedusaHeads.from_pretrained(spec.model, config.model_config.hf_config,
+                                                      config.model_config.dtype, device)
+            if self.medusa.num_heads < spec.num_speculative_tokens:
+                raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but the "
+                                 f"Medusa checkpoint has only {self.medusa.num_heads} heads")
+        else:
+            raise ValueError(f"speculative method {spec.method!r} is not available in this build")
+
+    # ---- KV cache of a draft model -------------------------------------------------------------
+    def attention_layers(self) -> list:
+        return self.draft_model.attention_layers() if self.draft_model is not None else []
+
+    # ---- propose -------------------------------------------------------------------------------
+    def propose(self, so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> dict[str, list[int]]:
+        """Drafts for the requests given draft slots this step (possibly fewer than their slots)."""
+        rows = [(requests[req_id], k) for req_id, k in so.num_draft_tokens.items()]
+        if self.ngram is not None:
+            drafts = {state.request_id: self.ngram.propose_one(state.token_ids, k) for state, k in rows}
+        elif self.chain is not None:
+            drafts = self.chain.propose(rows)
+        else:
+            drafts = self._propose_medusa(rows)
+        return {req_id: d for req_id, d in drafts.items() if d}
+
+    def _propose_medusa(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
+        ready = [(state, k) for state, k in rows
+                 if self._last_hidden.get(state.request_id, (-1, None))[0] == state.uid]
+        if not ready:
+            return {}
+        hidden = torch.stack([self._last_hidden[state.request_id][1] for state, _ in ready])
+        tokens = self.medusa(hidden).argmax(dim=-1).tolist()  # (R, heads)
+        return {state.request_id: row[:k] for (state, k), row in zip(ready, tokens, strict=True)}
+
+    # ---- verify --------------------------------------------------------------------------------
+    def verify(self, sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState],
+               drafts: dict[str, list[int]], vocab_size: int, output: ModelRunnerOutput) -> list[list[int]]:
+        """logits: per state, one row per token it may emit (its drafts + 1). Fills `output` and
+        returns the emitted tokens per state ([] for a failed one)."""
+        rows: list[RowState] = []
+        spans: list[tuple[int, int]] = []
+        for state in states:
+            d = drafts.get(state.request_id, [])
+            prompt, out = state.token_ids[:state.num_prompt_tokens], state.token_ids[state.num_prompt_tokens:]
+            spans.append((len(rows), len(d) + 1))
+            rows.extend(RowState(state.sampling_params, prompt, out + d[:j]) for j in range(len(d) + 1))
+        md = SamplingMetadata.build(rows, vocab_size, logits.device)
+        sampled = sampler(logits, md)
+        bad = set(sampled.bad_rows)
+        emitted_all: list[list[int]] = []
+        for state, (first, n) in zip(states, spans, strict=True):
+            req_id = state.request_id
+            if any(first + j in bad for j in range(n)):
+                output.failed[req_id] = "model produced non-finite logits"
+                emitted_all.append([])
+                continue
+            d = drafts.get(req_id, [])
+            emitted = accept_matching([sampled.token_ids[first:first + n]], [d])[0]
+            emitted_all.append(emitted)
+            output.sampled_token_ids[req_id] = emitted[-1]
+            if sampled.logprobs[first + len(emitted) - 1] is not None:
+                output.logprobs[req_id] = sampled.logprobs[first + len(emitted) - 1]  # type: ignore[assignment]
+            if d:
+                output.num_draft_tokens[req_id] = len(d)
+                output.spec_token_ids[req_id] = emitted[:-1]
+                output.spec_logprobs[req_id] = sampled.logprobs[first:first + len(emitted) - 1]
+                if self.chain is not None:
+                    self.chain.verified(req_id, len(emitted) - 1)
+        return emitted_all
+
+    # ---- after the step ------------------------------------------------------------------------
+    def observe(self, states: list[CachedRequestState], drafts: dict[str, list[int]], hidden_rows: torch.Tensor,
+                emitted: list[list[int]]) -> None:
+        """hidden_rows: the target hidden states the sampler read (verify's logits layout)."""
+        if self.medusa is None:
+            return
+        first = 0
+        for state, tokens in zip(states, emitted, strict=True):
+            if tokens:
+                self._last_hidden[state.request_id] = (state.uid, hidden_rows[first + len(tokens) - 1])
+            first += len(drafts.get(state.request_id, ())) + 1
+
+    def forget(self, request_ids: set[str]) -> None:
+        for req_id in request_ids:
+            self._last_hidden.pop(req_id, None)
+        if self.chain is not None:
+            self.chain.forget(request_ids)
