@@ -28,7 +28,7 @@ from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.spec_decode.draft_proposer import ChainProposer
 from kvtide.spec_decode.ngram import NgramProposer
 from kvtide.spec_decode.rejection_sampler import accept_matching
-from kvtide.worker.model_runner import CachedRequestState
+from kvtide.worker.model_runner import CachedRequestState, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class SpecDecodeWorker:
         self.block_size = config.cache_config.block_size
         self.draft_model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.ngram = self.chain = self.medusa = None
+        self.ngram = self.chain = self.medusa = self.eagle = None
         self._last_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         """Medusa: request id -> (runner uid, the target's hidden state that predicted its last token)."""
         if spec.method == "ngram":
@@ -70,6 +70,14 @@ class SpecDecodeWorker:
             if self.medusa.num_heads < spec.num_speculative_tokens:
                 raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but the "
                                  f"Medusa checkpoint has only {self.medusa.num_heads} heads")
+        elif spec.method in ("eagle", "eagle3"):
+            from kvtide.spec_decode.eagle_proposer import EagleProposer
+            from kvtide.spec_decode.heads.eagle import EagleDraftModel
+
+            mc = config.model_config
+            self.draft_model = EagleDraftModel.from_pretrained(spec.model, spec.method, target, mc.hf_config,
+                                                               mc.max_model_len, mc.dtype, device)
+            self.eagle = EagleProposer(self.draft_model, target, self.block_size, device)
         else:
             raise ValueError(f"speculative method {spec.method!r} is not available in this build")
 
@@ -85,6 +93,8 @@ class SpecDecodeWorker:
             drafts = {state.request_id: self.ngram.propose_one(state.token_ids, k) for state, k in rows}
         elif self.chain is not None:
             drafts = self.chain.propose(rows)
+        elif self.eagle is not None:
+            drafts = self.eagle.propose(rows)
         else:
             drafts = self._propose_medusa(rows)
         return {req_id: d for req_id, d in drafts.items() if d}
@@ -100,9 +110,9 @@ class SpecDecodeWorker:
 
     # ---- verify --------------------------------------------------------------------------------
     def verify(self, sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState],
-               drafts: dict[str, list[int]], vocab_size: int, output: ModelRunnerOutput) -> list[list[int]]:
+               drafts: dict[str, list[int]], vocab_size: int, output: ModelRunnerOutput) -> dict[str, list[int]]:
         """logits: per state, one row per token it may emit (its drafts + 1). Fills `output` and
-        returns the emitted tokens per state ([] for a failed one)."""
+        returns the tokens each state emitted ([] for a failed one)."""
         rows: list[RowState] = []
         spans: list[tuple[int, int]] = []
         for state in states:
@@ -113,16 +123,16 @@ class SpecDecodeWorker:
         md = SamplingMetadata.build(rows, vocab_size, logits.device)
         sampled = sampler(logits, md)
         bad = set(sampled.bad_rows)
-        emitted_all: list[list[int]] = []
+        emitted_all: dict[str, list[int]] = {}
         for state, (first, n) in zip(states, spans, strict=True):
             req_id = state.request_id
             if any(first + j in bad for j in range(n)):
                 output.failed[req_id] = "model produced non-finite logits"
-                emitted_all.append([])
+                emitted_all[req_id] = []
                 continue
             d = drafts.get(req_id, [])
             emitted = accept_matching([sampled.token_ids[first:first + n]], [d])[0]
-            emitted_all.append(emitted)
+            emitted_all[req_id] = emitted
             output.sampled_token_ids[req_id] = emitted[-1]
             if sampled.logprobs[first + len(emitted) - 1] is not None:
                 output.logprobs[req_id] = sampled.logprobs[first + len(emitted) - 1]  # type: ignore[assignment]
@@ -135,19 +145,31 @@ class SpecDecodeWorker:
         return emitted_all
 
     # ---- after the step ------------------------------------------------------------------------
-    def observe(self, states: list[CachedRequestState], drafts: dict[str, list[int]], hidden_rows: torch.Tensor,
-                emitted: list[list[int]]) -> None:
-        """hidden_rows: the target hidden states the sampler read (verify's logits layout)."""
-        if self.medusa is None:
-            return
-        first = 0
-        for state, tokens in zip(states, emitted, strict=True):
-            if tokens:
-                self._last_hidden[state.request_id] = (state.uid, hidden_rows[first + len(tokens) - 1])
-            first += len(drafts.get(state.request_id, ())) + 1
+    def observe(self, inputs: StepInputs, hidden: torch.Tensor, requests: dict[str, CachedRequestState],
+                drafts: dict[str, list[int]], emitted: dict[str, list[int]]) -> None:
+        """After every target step (sampling or not): what the heads keep of the target's hidden
+        states. `emitted`: tokens each sampling row emitted ([] when it failed)."""
+        if self.medusa is not None:
+            first = 0
+            hidden_rows = hidden[inputs.logits_indices]
+            for i in inputs.sample_rows:
+                req_id = inputs.order[i]
+                tokens = emitted.get(req_id, [])
+                if tokens:
+                    self._last_hidden[req_id] = (requests[req_id].uid, hidden_rows[first + len(tokens) - 1])
+                first += len(drafts.get(req_id, ())) + 1
+        if self.eagle is not None:
+            qsl = inputs.metadata.query_start_loc_cpu
+            verified = {}
+            for i, req_id in enumerate(inputs.order):
+                known = qsl[i + 1] - qsl[i] - len(drafts.get(req_id, ()))
+                tokens = emitted.get(req_id)
+                verified[req_id] = known if tokens is None else (known + len(tokens) - 1 if tokens else 0)
+            self.eagle.observe(inputs, hidden, requests, verified)
 
     def forget(self, request_ids: set[str]) -> None:
         for req_id in request_ids:
             self._last_hidden.pop(req_id, None)
-        if self.chain is not None:
-            self.chain.forget(request_ids)
+        for proposer in (self.chain, self.eagle):
+            if proposer is not None:
+                proposer.forget(request_ids)

@@ -126,8 +126,9 @@ class ModelRunner:
         hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(so, inputs, hidden, output)
-        if inputs.sample_rows and self.spec is not None:
-            self._verify(inputs, hidden, drafts, output)
+        if self.spec is not None:
+            emitted = self._verify(inputs, hidden, drafts, output) if inputs.sample_rows else {}
+            self.spec.observe(inputs, hidden, self.requests, drafts, emitted)
         elif inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
@@ -149,17 +150,16 @@ class ModelRunner:
         return output
 
     def _verify(self, inputs: StepInputs, hidden: torch.Tensor, drafts: dict[str, list[int]],
-                output: ModelRunnerOutput) -> None:
+                output: ModelRunnerOutput) -> dict[str, list[int]]:
         """Sampling with speculative decoding: every sampling row through the verifier (a row
-        without drafts is an ordinary sample)."""
+        without drafts is an ordinary sample). Returns each row's emitted tokens."""
         assert self.spec is not None
-        hidden_rows = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(hidden_rows)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
         emitted = self.spec.verify(self.sampler, logits, states, drafts, self.vocab_size, output)
-        for state, tokens in zip(states, emitted, strict=True):
-            state.token_ids.extend(tokens or [0])  # a failed row: an input for nothing, dropped
-        self.spec.observe(states, drafts, hidden_rows, emitted)
+        for state in states:
+            state.token_ids.extend(emitted[state.request_id] or [0])  # a failed row: an input for nothing
+        return emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
