@@ -130,6 +130,8 @@ class SamplingParams:
                               {token_id: bias})
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "a non-empty string", self.cache_salt)
+        if not isinstance(self.speculation, bool):
+            raise bad("speculation", "a bool", self.speculation)
         self._verify_beam_search(bad)
 
     def _verify_beam_search(self, bad) -> None:

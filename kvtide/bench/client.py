@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvtide.bench.metrics import RequestRecord
+from kvtide.bench.spec_figures import counter_difference, counters_from_prometheus, spec_decode_figures
 
 
 @dataclass
@@ -140,7 +141,8 @@ KNOWN_PREFIXES = ("kvtide:", "vllm:")
 
 async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
     """Sample name -> value (summed over labels) for the kvtide:/vllm: families, or None when the
-    server has no Prometheus /metrics."""
+    server has no Prometheus /metrics. Samples with a `position` label are also kept one per position,
+    as 'NAME{position="i"}'."""
     try:
         response = await client.get(f"{base_url}/metrics", timeout=5.0)
     except httpx.HTTPError:
@@ -159,6 +161,9 @@ def parse_prometheus(text: str) -> dict[str, float] | None:
             for sample in family.samples:
                 if sample.name.startswith(KNOWN_PREFIXES):
                     values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+                    if "position" in sample.labels:  # speculative decoding's per-position counters
+                        key = f'{sample.name}{{position="{sample.labels["position"]}"}}'
+                        values[key] = values.get(key, 0.0) + float(sample.value)
     except ValueError:
         return None
     return values or None
@@ -175,10 +180,15 @@ def running_requests(values: dict[str, float] | None) -> float | None:
 
 
 def server_counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    """Prefix-cache hit rate and preemptions during the run, from counters scraped before and after."""
-    out: dict = {"prefix_cache_hit_rate": None, "num_preemptions": None, "server_metrics": after is not None}
+    """Prefix-cache hit rate, preemptions and speculative-decoding figures during the run, from
+    counters scraped before and after."""
+    out: dict = {"prefix_cache_hit_rate": None, "num_preemptions": None, "spec_decode": None,
+                 "server_metrics": after is not None}
     if not before or not after:
         return out
+    spec = counter_difference(counters_from_prometheus(after), counters_from_prometheus(before))
+    if spec is not None:
+        out["spec_decode"] = spec_decode_figures(spec, len(spec["accepted_per_pos"]))
     hits = [_pick(v, _PREFIX_HITS) for v in (before, after)]
     queries = [_pick(v, _PREFIX_QUERIES) for v in (before, after)]
     if None not in hits and None not in queries:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
+DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt", "grounded")
 
 
 @dataclass
@@ -272,11 +272,57 @@ def build_dataset(args, tokenizer) -> list[Conversation]:
             return file_dataset(args.dataset_path, maker, args.num_prompts, args.output_len, multi_turn=True)
         return multi_turn_dataset(maker, args.num_prompts, args.num_turns, input_len, output_len,
                                   args.random_range_ratio)
+    if name == "grounded":
+        return grounded_dataset(tokenizer, args.num_prompts, output_len)
     if name in ("jsonl", "sharegpt"):
         if not args.dataset_path:
             raise ValueError(f"--dataset-name {name} needs --dataset-path FILE")
         return file_dataset(args.dataset_path, maker, args.num_prompts, args.output_len)
     raise ValueError(f"--dataset-name must be one of {', '.join(DATASET_NAMES)}; got {name!r}")
+
+
+_PARAGRAPHS = (
+    "The lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper "
+    "climbed the narrow stairs, lit the great lamp and watched the ships pass safely through the dark water "
+    "below. When the storms came, the light never failed, and the sailors of the town called it their star.",
+    "Our team meets every Monday morning to plan the week. We review the open tasks, agree on who owns each "
+    "one and note any risks. On Friday afternoon we meet again to check what was finished, what slipped and "
+    "why, so that the next plan is a little better than the last one.",
+    "To make the bread, mix the flour, the salt and the yeast in a large bowl. Add the warm water slowly and "
+    "knead the dough for ten minutes, until it is smooth. Leave it to rise for an hour, shape it into a loaf "
+    "and bake it in a hot oven for thirty minutes.",
+)
+_CODE = (
+    "def total_price(items):\n    total = 0\n    for item in items:\n        total += item.price * item.count\n"
+    "    return total\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self, step=1):\n"
+    "        self.count += step\n        return self.count\n",
+)
+
+
+def grounded_conversations() -> list[list[dict]]:
+    """Chat requests whose answer copies most of the prompt (repeat, rewrite, edit code): the
+    workload where n-gram speculation pays, with real text."""
+    tasks = []
+    for i, paragraph in enumerate(_PARAGRAPHS):
+        tasks.append(f"Repeat the following paragraph exactly, word for word:\n\n{paragraph}")
+        tasks.append(f"Rewrite this paragraph, changing only its first sentence:\n\n{paragraph}")
+        code = _CODE[i % len(_CODE)]
+        tasks.append(f"Here is a Python snippet:\n\n{code}\nRepeat it exactly, adding a docstring to it.")
+    return [[{"role": "user", "content": task}] for task in tasks]
+
+
+def grounded_dataset(tokenizer, num_prompts: int, output_len: int) -> list[Conversation]:
+    """grounded_conversations cycled to num_prompts, rendered with the tokenizer's chat template."""
+    conversations = grounded_conversations()
+    jobs = []
+    for i in range(num_prompts):
+        messages = conversations[i % len(conversations)]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) \
+            if getattr(tokenizer, "chat_template", None) else messages[0]["content"]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        jobs.append(Conversation([text], [output_len], [len(ids)], prompt_token_ids=ids))
+    return jobs
 
 
 def add_dataset_args(parser) -> None:

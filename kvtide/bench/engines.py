@@ -43,6 +43,14 @@ class Adapter:
         TTFT on `spare_prompt` (same length) with max_tokens=1, so no prefix-cache hit flatters it."""
         raise NotImplementedError
 
+    def spec_decode_counters(self) -> dict | None:
+        """Speculative-decoding counters so far (SchedulerStats.spec_decoding); None without speculation."""
+        return None
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        return None
+
 
 # ---- kvtide ---------------------------------------------------------------------------------------
 class KvtideAdapter(Adapter):
@@ -57,6 +65,14 @@ class KvtideAdapter(Adapter):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("max_model_len", spec["max_model_len"])
         self.llm = LLM(model=spec["model"], **kwargs)
+
+    def spec_decode_counters(self) -> dict | None:
+        return self.llm.engine.core.get_stats().spec_decoding
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        spec = self.llm.engine.core.config.speculative_config
+        return spec.num_speculative_tokens if spec is not None else None
 
     def _params(self, n: int):
         from kvtide import SamplingParams
@@ -293,15 +309,30 @@ ADAPTERS = {"kvtide": KvtideAdapter, "hf": HFAdapter, "vllm": VllmAdapter, "llam
 # ---- workloads ------------------------------------------------------------------------------------
 def run_throughput(adapter: Adapter, workload: dict) -> dict:
     prompts, output_lens = workload["prompts"], workload["output_lens"]
+    spec_before = adapter.spec_decode_counters()
     start = time.perf_counter()
     tokens = adapter.generate(prompts, output_lens)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(t) for t in tokens)
-    return {"elapsed_s": elapsed, "num_requests": len(prompts), "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "requests_per_s": len(prompts) / elapsed,
-            "output_tok_s": output_tokens / elapsed, "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
-            "token_ids": tokens}
+    out = {"elapsed_s": elapsed, "num_requests": len(prompts), "prompt_tokens": prompt_tokens,
+           "output_tokens": output_tokens, "requests_per_s": len(prompts) / elapsed,
+           "output_tok_s": output_tokens / elapsed, "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
+           "token_ids": tokens}
+    _add_spec_decode(out, adapter, spec_before)
+    return out
+
+
+def _add_spec_decode(out: dict, adapter: Adapter, before: dict | None) -> None:
+    """out["spec_decode"]: the speculative-decoding figures of the measured part (kvtide with
+    speculation only: other engines and runs without it get no key)."""
+    after = adapter.spec_decode_counters()
+    if after is None:
+        return
+    from kvtide.bench.spec_figures import spec_decode_figures
+    from kvtide.spec_decode.metrics import difference
+
+    out["spec_decode"] = spec_decode_figures(difference(after, before), adapter.num_speculative_tokens or 0)
 
 
 def run_latency(adapter: Adapter, workload: dict) -> dict:
@@ -309,11 +340,16 @@ def run_latency(adapter: Adapter, workload: dict) -> dict:
     prompts, n = workload["prompts"], workload["output_len"]
     warmup = workload.get("num_warmup", 1)
     samples = []
+    spec_before = None
     for i in range(0, len(prompts) - 1, 2):
+        if i // 2 == warmup:
+            spec_before = adapter.spec_decode_counters()
         sample = adapter.timed_single(prompts[i], n, prompts[i + 1])
         if i // 2 >= warmup:
             samples.append(sample)
-    return summarize_latency(samples, n)
+    out = summarize_latency(samples, n)
+    _add_spec_decode(out, adapter, spec_before)
+    return out
 
 
 def summarize_latency(samples: list[dict], output_len: int) -> dict:

@@ -7,6 +7,9 @@ prefill; --num-iters-warmup iterations run first and are not counted. Reported a
   TTFT    request added -> first output token
   TPOT    (E2E - TTFT) / (output_len - 1); decode tokens/s is its inverse
   E2E     request added -> last output token; tokens/s = output_len / E2E
+
+With --speculative-config, the speculative-decoding figures of the measured iterations follow
+(kvtide.bench.spec_figures), and result["kvtide"]["spec_decode"] carries them in --output-json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvtide.bench.common import (
     resolve_model,
 )
 from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_latency
+from kvtide.bench.spec_figures import format_spec_decode, speculative_config_record
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
 
@@ -55,7 +59,8 @@ def run(args) -> dict:
     model_dir = resolve_model(args.model)
     workload = latency_workload(read_config(model_dir)["vocab_size"], args)
     result: dict = {"model": model_dir, "input_len": args.input_len, "output_len": args.output_len,
-                    "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed}
+                    "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
+                    "speculative_config": speculative_config_record(getattr(args, "speculative_config", None))}
     kvtide = KvtideAdapter({"model": model_dir, "max_model_len": None, "engine_kwargs": engine_kwargs_from_args(args)})
     result["kvtide"] = run_latency(kvtide, workload)
     result["machine"] = machine_record()  # after kvtide loaded: with its GEMM choices
@@ -78,6 +83,8 @@ def format_result(result: dict) -> str:
         tpot = f", TPOT {r['tpot_ms']:.2f} ms ({r['decode_tokens_per_s']:.1f} decode tok/s)" if "tpot_ms" in r else ""
         lines.append(f"{label}: TTFT {r['ttft_ms']:.1f} ms{tpot}, E2E {r['e2e_ms']:.1f} ms, "
                      f"{r['tokens_per_s']:.1f} tok/s")
+        if r.get("spec_decode"):
+            lines.append(format_spec_decode(r["spec_decode"], f"{label} speculative decoding"))
     return "\n".join(lines)
 
 

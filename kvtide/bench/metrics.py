@@ -252,6 +252,19 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
                        ("num_preemptions", "Preemptions (server):")):
         if result.get(key) is not None:
             row(label, result[key], "{:.2%}" if key == "prefix_cache_hit_rate" else "{}")
+    spec = result.get("spec_decode")
+    if spec:
+        lines.append(f"{'Speculative Decoding (server)':-^60}")
+        row("Drafts:", spec["num_drafts"], "{}")
+        row("Draft tokens:", spec["num_draft_tokens"], "{}")
+        row("Accepted tokens:", spec["num_accepted_tokens"], "{}")
+        if spec["num_drafts"]:
+            row("Acceptance rate (%):", 100 * spec["acceptance_rate"])
+            row("Mean accepted length:", spec["mean_accepted_length"], "{:.3f}")
+            row(f"Theory (1-a^(K+1))/(1-a), K={spec['num_speculative_tokens']}:",
+                spec["theoretical_tokens_per_step"], "{:.3f}")
+            for position, rate in enumerate(spec["acceptance_rate_per_pos"]):
+                row(f"Acceptance at position {position} (%):", 100 * rate)
     if result.get("errors"):
         lines.append(f"{'Errors':-^60}")
         for kind, count in sorted(result["errors"].items()):

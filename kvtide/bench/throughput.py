@@ -14,6 +14,9 @@ kvtide.bench.common.workload_flops) as a fraction of the peak, and whether the g
 --output-json also carries, at its top level, the keys `vllm bench throughput --output-json` writes,
 for kvtide's run: elapsed_time (s), num_requests, total_num_tokens (prompt + output),
 requests_per_second and tokens_per_second (total tokens / elapsed_time).
+
+With --speculative-config, the speculative-decoding figures of the timed run follow
+(kvtide.bench.spec_figures), and result["kvtide"]["spec_decode"] carries them in --output-json.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvtide.bench.common import (
     workload_flops,
 )
 from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_throughput
+from kvtide.bench.spec_figures import format_spec_decode, speculative_config_record
 from kvtide.engine_args import EngineArgs
 
 
@@ -104,6 +108,7 @@ def run(args) -> dict:
         "model": model_dir, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "random_range_ratio": args.random_range_ratio, "seed": args.seed,
         "torch_threads": torch.get_num_threads(), "workload_tflop": flops / 1e12,
+        "speculative_config": speculative_config_record(getattr(args, "speculative_config", None)),
     }
     peak_before = None if args.skip_peak else measure_matmul_peak(reps=args.matmul_reps)
 
@@ -175,6 +180,8 @@ def format_result(result: dict) -> str:
         lines.append(f"{label}{extra}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} req/s, "
                      f"{r['total_tok_s']:.1f} total tok/s, {r['output_tok_s']:.1f} output tok/s, "
                      f"{r['gflop_per_s']:.1f} GFLOP/s{frac}")
+        if r.get("spec_decode"):
+            lines.append(format_spec_decode(r["spec_decode"], f"{label} speculative decoding"))
     if "kvtide_over_hf" in result:
         agree = result["greedy_agreement_with_hf"]
         lines.append(f"kvtide / HF output tok/s: {result['kvtide_over_hf']:.2f}x; greedy tokens identical "

@@ -4,6 +4,11 @@ Latencies are observed in the API process as outputs arrive (AsyncLLM calls the 
 methods); engine gauges and counters (running, waiting, KV usage, preemptions, prefix cache) are
 read from the engine core's SchedulerStats on every scrape.
 
+Speculative decoding (vLLM's names): spec_decode_num_drafts, spec_decode_num_draft_tokens,
+spec_decode_num_accepted_tokens and spec_decode_num_accepted_tokens_per_pos{position="i"}, counted
+from the deltas of SchedulerStats.spec_decoding; the per-position family has one sample per draft
+position once the engine reports speculation, none without it.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
@@ -16,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
 from kvtide.engine.messages import SchedulerStats
+from kvtide.spec_decode.metrics import difference
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -72,6 +78,12 @@ class ServerMetrics:
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
         self._finished = Counter("kvtide:request_success", "Finished requests, by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Verification steps of requests that had drafts.")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter("kvtide:spec_decode_num_accepted_tokens_per_pos",
+                                              "Draft tokens accepted at each position of their draft.",
+                                              ["model_name", "position"], registry=r)
         self._last_stats = SchedulerStats()
 
     # ---- StatLogger (called by AsyncLLM) --------------------------------------------------------
@@ -109,7 +121,24 @@ class ServerMetrics:
                                   (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
             if new > old:
                 counter.inc(new - old)
+        self._update_spec_decoding(stats.spec_decoding, last.spec_decoding)
         self._last_stats = stats
+
+    def _update_spec_decoding(self, new: dict | None, old: dict | None) -> None:
+        """Add what the engine's speculative-decoding counters gained since the last scrape."""
+        if new is None:
+            return
+        if old is not None and len(old["accepted_per_pos"]) != len(new["accepted_per_pos"]):
+            old = None  # another K: a new run of counters
+        delta = difference(new, old)
+        for counter, key in ((self.spec_num_drafts, "num_drafts"), (self.spec_num_draft_tokens, "num_draft_tokens"),
+                             (self.spec_num_accepted_tokens, "num_accepted_tokens")):
+            if delta[key] > 0:
+                counter.inc(delta[key])
+        for position, count in enumerate(delta["accepted_per_pos"]):
+            child = self._spec_accepted_per_pos.labels(position=str(position), **self._labels)
+            if count > 0:
+                child.inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -110,6 +110,8 @@ class SamplingRequest(OpenAIBaseModel):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     """Prefix-cache tenant key: requests with different salts never share cached KV."""
+    speculation: bool = True
+    """On a server with a speculative config, false decodes this request without draft tokens."""
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -166,7 +168,7 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
-            cache_salt=request.cache_salt)
+            cache_salt=request.cache_salt, speculation=request.speculation)
     except ValueError as e:
         raise from_engine_error(e) from e
 
