@@ -192,7 +192,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
-                                                 self.trust_remote_code, self.tokenizer)
+                                                 device, self.trust_remote_code, self.tokenizer)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:

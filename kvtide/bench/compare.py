@@ -64,6 +64,9 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="throughput/serve requests")
     parser.add_argument("--latency-input-len", type=int, default=128)
     parser.add_argument("--latency-output-len", type=int, default=256)
+    parser.add_argument("--latency-dataset", default="random", choices=("random", "grounded"),
+                        help="latency prompts: random tokens of --latency-input-len, or chat requests that copy "
+                             "their input (bench/datasets.py grounded_conversations; where n-gram speculation pays)")
     parser.add_argument("--num-iters", type=int, default=3, help="latency iterations per repeat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per engine")
@@ -163,15 +166,29 @@ def build_spec(args, model_dir: str, config: dict) -> dict:
     for r in range(args.repeats):
         prompts, out_lens = random_token_prompts(vocab, args.num_prompts, args.input_len, args.output_len,
                                                  round_seed(args.seed, r))
-        latency_prompts, _ = random_token_prompts(vocab, 2 * (args.num_iters + 1), args.latency_input_len, 1,
-                                                  round_seed(args.seed, r) + 1)
+        latency_prompts = latency_prompts_for(args, model_dir, vocab, 2 * (args.num_iters + 1),
+                                              round_seed(args.seed, r) + 1)
         throughput.append({"prompts": prompts, "output_lens": out_lens})
         latency.append({"prompts": latency_prompts, "output_len": args.latency_output_len, "num_warmup": 1})
-    max_len = max(args.input_len + args.output_len, args.latency_input_len + args.latency_output_len) + 16
+    longest_latency_prompt = max(len(p) for round_ in latency for p in round_["prompts"])
+    max_len = max(args.input_len + args.output_len, longest_latency_prompt + args.latency_output_len) + 16
     return {"model": model_dir, "max_model_len": max_len, "threads": args.threads,
             "engine_kwargs": engine_kwargs_from_args(args), "hf_batch_size": args.num_prompts,
             "llamacpp_max_seqs": min(64, args.num_prompts),
             "throughput": {"rounds": throughput}, "latency": {"rounds": latency}}
+
+
+def latency_prompts_for(args, model_dir: str, vocab: int, count: int, seed: int) -> list[list[int]]:
+    """The latency workload's prompts: random tokens, or the grounded chat requests (cycled, and
+    rotated by seed so repeats start at different ones; a repeat's prefix-cache hits are the same
+    for every engine that caches)."""
+    if getattr(args, "latency_dataset", "random") != "grounded":
+        prompts, _ = random_token_prompts(vocab, count, args.latency_input_len, 1, seed)
+        return prompts
+    from kvtide.bench.datasets import grounded_dataset, load_tokenizer_for_bench
+
+    jobs = grounded_dataset(load_tokenizer_for_bench(None, model_dir), count + seed % 7, 1)
+    return [job.prompt_token_ids for job in jobs[seed % 7:]]
 
 
 def _gguf_for(args, model_dir: str) -> str:

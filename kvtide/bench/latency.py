@@ -41,23 +41,31 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured iterations first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="also measure HF transformers generate")
+    parser.add_argument("--dataset", default="random", choices=("random", "grounded"),
+                        help="random tokens of --input-len, or chat requests that copy their input "
+                             "(bench/datasets.py grounded_conversations)")
     parser.add_argument("--output-json", default=None)
     group = parser.add_argument_group("engine (kvtide)")
     EngineArgs.add_cli_args(group, skip=("model", "seed"))
 
 
-def latency_workload(vocab_size: int, args) -> dict:
+def latency_workload(vocab_size: int, args, model_dir: str | None = None) -> dict:
     """2 prompts per iteration: the second is for engines that time TTFT with a separate request."""
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
     count = 2 * (args.num_iters + args.num_iters_warmup)
+    if getattr(args, "dataset", "random") == "grounded":
+        from kvtide.bench.datasets import grounded_dataset, load_tokenizer_for_bench
+
+        prompts = [job.prompt_token_ids for job in grounded_dataset(load_tokenizer_for_bench(None, model_dir), count, 1)]
+        return {"prompts": prompts, "output_len": args.output_len, "num_warmup": args.num_iters_warmup}
     prompts, _ = random_token_prompts(vocab_size, count, args.input_len, 1, args.seed)
     return {"prompts": prompts, "output_len": args.output_len, "num_warmup": args.num_iters_warmup}
 
 
 def run(args) -> dict:
     model_dir = resolve_model(args.model)
-    workload = latency_workload(read_config(model_dir)["vocab_size"], args)
+    workload = latency_workload(read_config(model_dir)["vocab_size"], args, model_dir)
     result: dict = {"model": model_dir, "input_len": args.input_len, "output_len": args.output_len,
                     "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
                     "speculative_config": speculative_config_record(getattr(args, "speculative_config", None))}

@@ -73,12 +73,24 @@ class Sampler:
                     logprobs[i] = compute_top_logprobs(raw_logprobs[i], token_ids[i], row.params.logprobs)
         return SamplerOutput(token_ids, logprobs, bad_rows)
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def processed_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from (steps 2 and 4): what speculative sampling
+        compares a draft's distribution against."""
+        logits = logits.float()
+        if md.needs_processing:
+            logits = apply_penalties(logits, md)
+        return self._random_probs(logits, md)
+
+    def _random_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = logits / md.temperature[:, None]
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)
         if md.min_p is not None:
             probs = apply_min_p(probs, md.min_p)
+        return probs
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        probs = self._random_probs(logits, md)
         q = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
             q.exponential_(generator=self._generator(q.device))

@@ -15,9 +15,11 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "layer_skip")
 METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3", "medusa")
 KNOWN_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
               "num_layers", "disable_by_batch_size", "adaptive", "draft_cost"}
-DEFAULT_DISABLE_BY_BATCH_SIZE = 16
-"""Batches with more decoding requests than this run without speculation (docs/benchmarks.md has
-the measurements behind the number)."""
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": 32}
+"""Batches with more decoding requests than this run without speculation. CPU: measured
+(scripts/bench_spec_batch.py, docs/benchmarks.md): n-gram speculation on SmolLM2 gains 1.25x at
+4 requests and loses 6% at 8. CUDA: not measured here; a GPU decode step stays bandwidth-bound to
+far larger batches."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,10 @@ class SpeculativeConfig:
     """ngram: longest suffix n-gram tried first."""
     num_layers: int | None = None
     """layer_skip: the target's first layers the draft runs before its final norm and LM head."""
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    """Speculate only in steps with at most this many decoding requests (large batches are
-    compute-bound there: verifying K+1 tokens per request costs more than it saves)."""
+    disable_by_batch_size: int | None = None
+    """Speculate only in steps with at most this many running requests (larger batches are
+    compute-bound: verifying K+1 tokens per request costs more than it saves); None: the
+    device's default, DEFAULT_DISABLE_BY_BATCH_SIZE."""
     adaptive: bool = True
     """Choose each request's draft length every step from its measured acceptance rate (off: always
     num_speculative_tokens)."""
@@ -98,8 +101,8 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
             raise ValueError(f"speculative_config: layer_skip needs num_layers, an integer >= 1; got {num_layers!r}")
     elif num_layers is not None:
         raise ValueError("speculative_config: num_layers applies to method 'layer_skip' only")
-    disable = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-    if not isinstance(disable, int) or isinstance(disable, bool) or disable < 1:
+    disable = value.get("disable_by_batch_size")
+    if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
         raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {disable!r}")
     adaptive = value.get("adaptive", True)
     if not isinstance(adaptive, bool):
@@ -113,7 +116,7 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
 
 
 def resolve_speculative_config(value: str | dict | None, target_hf_config, model_dir: str, max_model_len: int,
-                               trust_remote_code: bool = False, tokenizer: str | None = None
+                               device: str = "cpu", trust_remote_code: bool = False, tokenizer: str | None = None
                                ) -> SpeculativeConfig | None:
     """Parse, find the draft/head checkpoint, and check it fits the target; ValueError otherwise."""
     import dataclasses
@@ -121,6 +124,8 @@ def resolve_speculative_config(value: str | dict | None, target_hf_config, model
     spec = parse_speculative_config(value)
     if spec is None:
         return None
+    if spec.disable_by_batch_size is None:
+        spec = dataclasses.replace(spec, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE[device])
     num_target_layers = target_hf_config.num_hidden_layers
     if spec.method == "layer_skip":
         if spec.num_layers >= num_target_layers:

@@ -12,8 +12,13 @@ layer skip, where the target's verification rewrites the same values), so prefix
 preemption and copy-on-write need nothing of their own: every slot the draft writes is one the
 target allocated for this step. A draft model's KV is trusted only for tokens it computed in this
 runner's life of the request (a new, preempted or forked request catches up from position 0), so
-a prefix-cache hit never hands it KV it did not write. Drafts are the draft's argmax (one-hot
-proposals; verification is then exact for greedy and sampled requests alike).
+a prefix-cache hit never hands it KV it did not write.
+
+A greedy request's drafts are the draft's argmax (one-hot proposals, verified by matching). Given a
+sampler (draft models), a sampled request's are drawn from the draft's distribution q, processed
+exactly as the target's will be (penalties, temperature, top-k/top-p, min-p, given the drafts
+before), and q is kept for rejection sampling: when draft and target agree, nearly every draft is
+accepted. Without one (layer skip), every draft is the argmax.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
 from kvtide.sampling.ops import argmax_first
+from kvtide.sampling.sampler import Sampler
+from kvtide.sampling_params import SamplingType
 from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
@@ -42,8 +50,17 @@ class _DraftSequence:
 
 class ChainProposer:
     def __init__(self, forward: Forward, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 block_size: int, device: torch.device, catch_up: bool) -> None:
+                 block_size: int, device: torch.device, catch_up: bool, sampler: Sampler | None, vocab_size: int,
+                 seed: int = 0) -> None:
         self.forward = forward
+        self.sampler = sampler
+        """Draws sampled requests' drafts from q when given; None: argmax drafts for every request."""
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed + 1)
+        """Draft draws of unseeded requests (apart from the target's own draws)."""
+        self.draft_probs: dict[str, list[torch.Tensor]] = {}
+        """The last propose's q rows (one per draft) of its sampled requests."""
         self.compute_logits = compute_logits
         self.block_size = block_size
         self.device = device
@@ -72,10 +89,14 @@ class ChainProposer:
                 self._computed[state.request_id] = (state.uid, start + 1)
                 self._fed[state.request_id] = k - 1
         drafts: dict[str, list[int]] = {req_id: [] for req_id in wanted}
+        states = {state.request_id: state for state, _ in rows}
+        self.draft_probs = {}
         while num_sched:
             inputs = prepare_step_inputs(num_sched, seqs, self.block_size, self.device)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.metadata)
-            tokens = argmax_first(self.compute_logits(hidden[inputs.logits_indices])).tolist()
+            logits = self.compute_logits(hidden[inputs.logits_indices])
+            tokens = argmax_first(logits).tolist()
+            self._sample_random_rows(logits, [inputs.order[i] for i in inputs.sample_rows], states, drafts, tokens)
             next_sched: dict[str, int] = {}
             for row, token in zip(inputs.sample_rows, tokens, strict=True):
                 req_id = inputs.order[row]
@@ -87,6 +108,32 @@ class ChainProposer:
                     next_sched[req_id] = 1
             num_sched = next_sched
         return drafts
+
+    def _sample_random_rows(self, logits: torch.Tensor, req_ids: list[str], states: dict[str, CachedRequestState],
+                            drafts: dict[str, list[int]], tokens: list[int]) -> None:
+        """Replace the argmax of sampled requests' rows by a draw from q, keeping q."""
+        rows = [i for i, r in enumerate(req_ids) if states[r].sampling_params.sampling_type != SamplingType.GREEDY]
+        if not rows or self.sampler is None:
+            return
+        row_states = []
+        for i in rows:
+            state = states[req_ids[i]]
+            row_states.append(RowState(state.sampling_params, state.token_ids[:state.num_prompt_tokens],
+                                       state.token_ids[state.num_prompt_tokens:] + drafts[req_ids[i]]))
+        md = SamplingMetadata.build(row_states, self.vocab_size, logits.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        q = self.sampler.processed_probs(logits[index], md)
+        noise = torch.empty_like(q)
+        noise.exponential_(generator=self.generator)
+        for j, row in enumerate(row_states):
+            if row.params.seed is not None:  # its own stream, apart from the target's (seed, position) draws
+                g = torch.Generator(device=q.device)
+                g.manual_seed(step_seed(row.params.seed, -1 - len(row.output_token_ids)))
+                noise[j].exponential_(generator=g)
+        drawn = argmax_first(q / noise).tolist()
+        for j, i in enumerate(rows):
+            tokens[i] = drawn[j]
+            self.draft_probs.setdefault(req_ids[i], []).append(q[j])
 
     def verified(self, request_id: str, num_accepted: int) -> None:
         """After verification: the fed-back drafts that were accepted hold valid draft KV too."""

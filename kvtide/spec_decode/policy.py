@@ -27,7 +27,7 @@ PRIOR_WEIGHT = 2.0
 """Pseudo-observations the prior is worth."""
 DECAY = 0.8
 """Weight of older observations per step: the estimate follows a request's recent text."""
-VERIFY_COST = 0.02
+VERIFY_COST = 0.05
 """Cost of one more verified token per request, as a fraction of a decode step, in a batch under
 disable_by_batch_size (measured on CPU: docs/benchmarks.md)."""
 RELAX = 0.1

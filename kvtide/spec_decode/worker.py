@@ -11,6 +11,10 @@ Verification by matching a one-hot proposal is rejection sampling with q = 1 at 
 draft is accepted with probability p(d) = min(1, p(d)/q(d)), and on rejection y is distributed
 as p without d, renormalised (the normalised max(0, p - q)), so the output follows the target's
 distribution exactly, and a seeded request draws the same tokens as without speculation.
+A sampled request's drafts from a draft model come with their distribution q
+instead; those go through rejection_sample (accept with min(1, p/q), else a draw from the
+normalised max(0, p - q); a bonus draw after a fully accepted run), its noise drawn per output
+position from the request's seed when it has one.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import torch
 from kvtide.config import EngineConfig
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.models.loader import load_model
-from kvtide.sampling.metadata import RowState, SamplingMetadata
+from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
+from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.spec_decode.draft_proposer import ChainProposer
 from kvtide.spec_decode.ngram import NgramProposer
-from kvtide.spec_decode.rejection_sampler import accept_matching
+from kvtide.spec_decode.rejection_sampler import accept_matching, rejection_sample
 from kvtide.worker.model_runner import CachedRequestState, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -41,6 +46,11 @@ class SpecDecodeWorker:
         self.target = target
         self.device = device
         self.block_size = config.cache_config.block_size
+        vocab_size = config.model_config.hf_config.vocab_size
+        draft_sampler = Sampler(config.model_config.seed)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(config.model_config.seed + 2)
+        """Rejection-sampling noise of unseeded requests."""
         self.draft_model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.ngram = self.chain = self.medusa = self.eagle = None
@@ -54,14 +64,17 @@ class SpecDecodeWorker:
             def early_exit(input_ids, positions, metadata):
                 return target(input_ids, positions, metadata, num_layers=layers)
 
-            self.chain = ChainProposer(early_exit, target.compute_logits, self.block_size, device, catch_up=False)
+            # one-hot proposals: a seeded request keeps its non-speculative tokens
+            self.chain = ChainProposer(early_exit, target.compute_logits, self.block_size, device, catch_up=False,
+                                       sampler=None, vocab_size=vocab_size)
         elif spec.method == "draft_model":
             mc = config.model_config
             self.draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
             if device.type == "cpu":
                 prepack_weights(self.draft_model, config.device_config.cpu_weight_prepack)
             self.chain = ChainProposer(self.draft_model, self.draft_model.compute_logits, self.block_size, device,
-                                       catch_up=True)
+                                       catch_up=True, sampler=draft_sampler, vocab_size=vocab_size,
+                                       seed=config.model_config.seed)
         elif spec.method == "medusa":
             from kvtide.spec_decode.heads.medusa import MedusaHeads
 
@@ -131,18 +144,53 @@ class SpecDecodeWorker:
                 emitted_all[req_id] = []
                 continue
             d = drafts.get(req_id, [])
-            emitted = accept_matching([sampled.token_ids[first:first + n]], [d])[0]
+            q = self.chain.draft_probs.get(req_id) if self.chain is not None and d else None
+            if q is None:
+                emitted = accept_matching([sampled.token_ids[first:first + n]], [d])[0]
+                logprobs = sampled.logprobs[first:first + len(emitted)]
+            else:
+                emitted = self._rejection_sample(sampler, logits[first:first + n], rows[first:first + n], d, q,
+                                                 vocab_size)
+                logprobs = self._logprobs(logits[first:first + len(emitted)], emitted, state.sampling_params.logprobs)
             emitted_all[req_id] = emitted
             output.sampled_token_ids[req_id] = emitted[-1]
-            if sampled.logprobs[first + len(emitted) - 1] is not None:
-                output.logprobs[req_id] = sampled.logprobs[first + len(emitted) - 1]  # type: ignore[assignment]
+            if logprobs[-1] is not None:
+                output.logprobs[req_id] = logprobs[-1]  # type: ignore[assignment]
             if d:
                 output.num_draft_tokens[req_id] = len(d)
                 output.spec_token_ids[req_id] = emitted[:-1]
-                output.spec_logprobs[req_id] = sampled.logprobs[first:first + len(emitted) - 1]
+                output.spec_logprobs[req_id] = logprobs[:-1]
                 if self.chain is not None:
                     self.chain.verified(req_id, len(emitted) - 1)
         return emitted_all
+
+    def _rejection_sample(self, sampler: Sampler, logits: torch.Tensor, rows: list[RowState], drafts: list[int],
+                          q: list[torch.Tensor], vocab_size: int) -> list[int]:
+        """One request's drafts drawn from q, verified by rejection sampling against the target's
+        processed distributions at its len(drafts) + 1 positions."""
+        p = sampler.processed_probs(logits, SamplingMetadata.build(rows, vocab_size, logits.device))
+        k = len(drafts)
+        uniforms = torch.empty(k, device=logits.device)
+        noise = torch.empty_like(p)
+        seed = rows[0].params.seed
+        for j, row in enumerate(rows):
+            generator = self.generator
+            if seed is not None:  # the draws at an output position depend on the seed and the position only
+                generator = torch.Generator(device=logits.device)
+                generator.manual_seed(step_seed(seed, len(row.output_token_ids)))
+            if j < k:
+                uniforms[j:j + 1].uniform_(generator=generator)
+            noise[j].exponential_(generator=generator)
+        draft_ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device)
+        return rejection_sample(p[None], torch.stack(q)[None], draft_ids, [k], uniforms[None], noise[None])[0]
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list:
+        """Logprobs of tokens chosen by rejection sampling, from the raw logits (as the sampler reports)."""
+        if k is None:
+            return [None] * len(tokens)
+        raw = logits.float().log_softmax(dim=-1)
+        return [compute_top_logprobs(raw[j], token, k) for j, token in enumerate(tokens)]
 
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, inputs: StepInputs, hidden: torch.Tensor, requests: dict[str, CachedRequestState],

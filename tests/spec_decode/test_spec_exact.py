@@ -135,6 +135,13 @@ def self_draft_pair(llama_dir):
     return make_llm(llama_dir), make_llm(llama_dir, config)
 
 
+@pytest.fixture(scope="module")
+def layer_skip_pair(llama_dir):
+    """Early exit at the first of 4 layers: argmax drafts, partly accepted."""
+    config = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1, "adaptive": False}
+    return make_llm(llama_dir), make_llm(llama_dir, config)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
     SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -144,14 +151,39 @@ def self_draft_pair(llama_dir):
     SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
     SamplingParams(temperature=0, min_tokens=6, max_tokens=MAX_TOKENS, logit_bias={65: 3.0}),
 ], ids=["seeded", "seeded-top-p-top-k", "penalties", "n2-seeded", "max-tokens-5", "min-tokens-bias"])
-def test_sampling_options_equal_non_speculative(self_draft_pair, params):
-    """The verifier samples each position as a decode step would (same seed per output position, the
-    drafts before it in the penalty history), so even sampled requests draw the same tokens."""
-    base, spec = self_draft_pair
+def test_sampling_options_equal_non_speculative(layer_skip_pair, self_draft_pair, params):
+    """With one-hot proposals the verifier samples each position as a decode step would (same seed
+    per output position, the drafts before it in the penalty history), so even sampled requests
+    draw the same tokens. A draft model's greedy requests too."""
+    pairs = [layer_skip_pair] + ([self_draft_pair] if params.temperature == 0 else [])
     prompts = PROMPTS[:6]
-    expected = [[c.token_ids for c in o.outputs] for o in base.generate(prompts, params)]
-    got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params)]
-    assert got == expected
+    for base, spec in pairs:
+        expected = [[c.token_ids for c in o.outputs] for o in base.generate(prompts, params)]
+        before = spec_stats(spec)["num_accepted_tokens"]
+        got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params)]
+        assert got == expected
+        assert spec_stats(spec)["num_accepted_tokens"] > before
+
+
+def test_draft_model_samples_drafts_from_its_distribution(self_draft_pair):
+    """A sampled request's drafts come from the draft's processed distribution q and are verified by
+    rejection sampling: the target drafting for itself (q = p) has nearly every draft accepted,
+    where argmax drafts would be accepted only with probability p(argmax). A seeded request draws the
+    same tokens alone or in a batch (its noise depends on its seed and output position only)."""
+    _, spec = self_draft_pair
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            presence_penalty=0.3, logprobs=1)
+    before = dict(spec_stats(spec))
+    outputs = spec.generate(PROMPTS[:8], params)
+    after = spec_stats(spec)
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert drafted > 50 and accepted / drafted > 0.97
+    alone = spec.generate(PROMPTS[2:3], params)[0].outputs[0]
+    assert alone.token_ids == outputs[2].outputs[0].token_ids
+    for out in outputs:  # each reported logprob belongs to the emitted token
+        completion = out.outputs[0]
+        assert all(t in entry for t, entry in zip(completion.token_ids, completion.logprobs, strict=True))
 
 
 def test_stop_inside_an_accepted_run(self_draft_pair):

@@ -43,7 +43,7 @@ def test_heads_serve_exact_output(target_dir, tmp_path_factory, method):
 
     vocab = AutoConfig.from_pretrained(target_dir).vocab_size
     spec = {"method": method, "model": head_dir(method, tmp_path_factory, vocab), "num_speculative_tokens": 3,
-            "adaptive": False}
+            "adaptive": False, "disable_by_batch_size": 8}
     base = make_llm(target_dir).generate(PROMPTS, GREEDY)
     llm = make_llm(target_dir, spec, enable_prefix_caching=True, max_num_batched_tokens=16)
     for _ in range(2):  # cold, then over a warm prefix cache
