@@ -239,6 +239,9 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if request.request_id in num_drafts:  # drafts never cost another request its blocks
+                    num_new -= num_drafts.pop(request.request_id)
+                    continue
                 victim = self._pick_victim(remaining, request)
                 self._preempt(victim)
                 preempted = True
@@ -246,7 +249,6 @@ class Scheduler:
                     break
                 remaining.remove(victim)
             if new_blocks is None:
-                num_drafts.pop(request.request_id, None)
                 continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new

@@ -55,8 +55,8 @@ class StepInputs:
     sample_rows: list[int]
     """Indices into `order` of requests that sample a token this step."""
     logits_indices: torch.Tensor
-    """Token index of each sampling request's last token, preceded by those of its last token
-    before its drafts and of each draft but the last (verification reads them all)."""
+    """Token indices whose logits the sampler reads: per sampling request its last token, and with
+    drafts its last known token and every draft (one position per token it may emit)."""
 
 
 class ModelRunner:
