@@ -21,7 +21,7 @@ from kvtide.config import (
     resolve_dtype,
 )
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
-from kvtide.spec_decode.config import resolve_speculative_config
+from kvtide.spec_decode.resolve import resolve_speculative_config
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 

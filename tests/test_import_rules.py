@@ -7,6 +7,8 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "kvtide"
 DEVICE_PACKAGES = ("kvtide.worker", "kvtide.models", "kvtide.layers", "kvtide.attention")
+PURE_SPEC_DECODE = ("kvtide.spec_decode.config", "kvtide.spec_decode.policy", "kvtide.spec_decode.metrics")
+"""The speculative-decoding modules policy code may use: plain Python (the rest of the package runs models)."""
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -24,13 +26,22 @@ def test_policy_packages_import_no_device_code():
     for package in ("engine", "scheduler", "kv_cache"):
         for path in (PKG / package).rglob("*.py"):
             offenders += [f"{path.relative_to(PKG)}: {name}" for name in _imports(path)
-                          if name.startswith(DEVICE_PACKAGES)]
+                          if name.startswith(DEVICE_PACKAGES)
+                          or name.startswith("kvtide.spec_decode") and name not in PURE_SPEC_DECODE]
     assert offenders == []
+
+
+def test_pure_spec_decode_modules_import_no_torch():
+    for name in PURE_SPEC_DECODE:
+        path = PKG / (name.removeprefix("kvtide.").replace(".", "/") + ".py")
+        imports = _imports(path)
+        assert not [i for i in imports if i == "torch" or i.startswith(("torch.", *DEVICE_PACKAGES))], name
+        assert all(i in PURE_SPEC_DECODE for i in imports if i.startswith("kvtide.")), name
 
 
 def test_server_imports_only_engine_and_public_types():
     allowed = ("kvtide.engine", "kvtide.server", "kvtide.sampling_params", "kvtide.outputs",
-               "kvtide.engine_args", "kvtide.config", "kvtide.bootstrap")
+               "kvtide.engine_args", "kvtide.config", "kvtide.bootstrap", "kvtide.spec_decode.metrics")
     offenders = []
     server = PKG / "server"
     for path in server.rglob("*.py") if server.exists() else []:

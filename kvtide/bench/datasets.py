@@ -297,6 +297,8 @@ _CODE = (
     "    return total\n",
     "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self, step=1):\n"
     "        self.count += step\n        return self.count\n",
+    "def read_lines(path):\n    with open(path) as f:\n        lines = [line.strip() for line in f]\n"
+    "    return [line for line in lines if line]\n",
 )
 
 
@@ -307,7 +309,7 @@ def grounded_conversations() -> list[list[dict]]:
     for i, paragraph in enumerate(_PARAGRAPHS):
         tasks.append(f"Repeat the following paragraph exactly, word for word:\n\n{paragraph}")
         tasks.append(f"Rewrite this paragraph, changing only its first sentence:\n\n{paragraph}")
-        code = _CODE[i % len(_CODE)]
+        code = _CODE[i]
         tasks.append(f"Here is a Python snippet:\n\n{code}\nRepeat it exactly, adding a docstring to it.")
     return [[{"role": "user", "content": task}] for task in tasks]
 

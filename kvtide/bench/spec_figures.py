@@ -39,7 +39,6 @@ def spec_decode_figures(counters: dict | None, num_speculative_tokens: int) -> d
     None without speculative decoding. A run without drafts keeps its counts and has None figures."""
     from kvtide.spec_decode.metrics import summarize
     from kvtide.spec_decode.policy import expected_tokens
-    from kvtide.spec_decode.rejection_sampler import expected_tokens_per_step
 
     if counters is None:
         return None
@@ -60,7 +59,7 @@ def spec_decode_figures(counters: dict | None, num_speculative_tokens: int) -> d
         theory = expected_tokens(rate, length)
     else:
         rate, length = min(1.0, max(0.0, summary["acceptance_rate"])), k
-        theory = expected_tokens_per_step(rate, k)
+        theory = expected_tokens(rate, k)
     out.update(mean_accepted_length=summary["mean_accepted_length"], acceptance_rate=summary["acceptance_rate"],
                acceptance_rate_per_pos=summary["acceptance_rate_per_pos"], mean_draft_length=mean_draft,
                theory_acceptance=rate, theory_draft_length=length, theoretical_tokens_per_step=theory)

@@ -34,9 +34,14 @@ RELAX = 0.1
 """Per step without speculation, how far the estimate moves back towards the prior."""
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Expected tokens emitted by one verification of k drafts with per-token acceptance `rate`."""
-    if rate >= 1.0:
+def expected_tokens(rate: float, k: float) -> float:
+    """Expected tokens emitted by one verification of k drafts with i.i.d. per-token acceptance
+    `rate`: (1 - rate^(k+1)) / (1 - rate); k + 1 at rate 1."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"acceptance rate must lie in [0, 1], got {rate}")
+    if k < 0:
+        raise ValueError(f"draft length must be >= 0, got {k}")
+    if rate == 1.0:
         return k + 1.0
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 

@@ -90,13 +90,3 @@ def expected_acceptance_rate(target_probs: torch.Tensor, draft_probs: torch.Tens
     """Probability that a draft sampled from q is accepted against p: sum_v min(p(v), q(v)) over the last dim."""
     return torch.minimum(target_probs, draft_probs).sum(dim=-1)
 
-
-def expected_tokens_per_step(acceptance_rate: float, num_draft_tokens: int) -> float:
-    """Expected tokens per verification step, i.i.d. acceptance a and k drafts: (1 - a^(k+1)) / (1 - a)."""
-    if not 0.0 <= acceptance_rate <= 1.0:
-        raise ValueError(f"acceptance_rate must lie in [0, 1], got {acceptance_rate}")
-    if num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    if acceptance_rate == 1.0:
-        return float(num_draft_tokens + 1)
-    return (1.0 - acceptance_rate ** (num_draft_tokens + 1)) / (1.0 - acceptance_rate)

@@ -43,7 +43,6 @@ class SpecDecodeWorker:
         spec = config.speculative_config
         assert spec is not None
         self.config = spec
-        self.target = target
         self.device = device
         self.block_size = config.cache_config.block_size
         vocab_size = config.model_config.hf_config.vocab_size
@@ -52,7 +51,6 @@ class SpecDecodeWorker:
         self.generator.manual_seed(config.model_config.seed + 2)
         """Rejection-sampling noise of unseeded requests."""
         self.draft_model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []
         self.ngram = self.chain = self.medusa = self.eagle = None
         self._last_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         """Medusa: request id -> (runner uid, the target's hidden state that predicted its last token)."""

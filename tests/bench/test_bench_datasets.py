@@ -71,3 +71,15 @@ def test_jsonl_file(tmp_path, tokenizer):
 def test_render_turn_prompt():
     assert render_turn_prompt([], "hi") == "hi"
     assert render_turn_prompt([("hi", "yo")], "more") == "User: hi\nAssistant: yo\nUser: more\nAssistant:"
+
+
+def test_grounded_requests_copy_their_input(tokenizer):
+    """The speculative-decoding workload: chat requests whose prompt holds the text to reproduce."""
+    jobs = build_dataset(dataset_args("--dataset-name", "grounded", "--num-prompts", "11", "--output-len", "64"),
+                         tokenizer)
+    assert len(jobs) == 11 and all(j.output_lens == [64] for j in jobs)
+    assert jobs[9].user_turns == jobs[0].user_turns and len({j.user_turns[0] for j in jobs}) == 9
+    for job in jobs:  # no chat template on the byte tokenizer: the request text as it is
+        assert job.prompt_token_ids == tokenizer.encode(job.user_turns[0], add_special_tokens=False)
+        assert job.prompt_lens == [len(job.prompt_token_ids)]
+        assert "Repeat" in job.user_turns[0] or "Rewrite" in job.user_turns[0]

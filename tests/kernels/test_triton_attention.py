@@ -21,6 +21,8 @@ HEAD_DIM = 32
 MIXED = [(1, 37), (1, 16), (1, 0), (7, 0), (5, 11), (1, 64), (19, 16), (3, 29)]
 BLOCK_EDGES = [(1, 15), (1, 31), (1, 32), (16, 0), (17, 16), (15, 1), (2, 31)]
 LONG_PREFILL = [(1, 40), (70, 9)]  # several q blocks in one request
+VERIFY = [(1, 30), (4, 37), (6, 16), (2, 63), (8, 100), (5, 0), (3, 15)]
+"""Speculative verification: rows of K+1 query tokens over a cached context, beside decodes."""
 
 
 def _reference(batch, scale: float, window: int | None) -> torch.Tensor:
@@ -102,6 +104,13 @@ def test_key_tiles_smaller_and_larger_than_blocks(paged_batch, device, close, ti
 def test_long_prefill_spans_several_query_blocks(paged_batch, device, close, num_heads, num_kv_heads):
     batch = paged_batch(LONG_PREFILL, num_heads, num_kv_heads, HEAD_DIM, 16, torch.bfloat16, device, seed=7)
     close(_triton(batch, 0.2, None), _reference(batch, 0.2, None), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_verification_rows_equal_reference(paged_batch, device, close, num_heads, num_kv_heads, window):
+    batch = paged_batch(VERIFY, num_heads, num_kv_heads, HEAD_DIM, 16, torch.float32, device, seed=9)
+    close(_triton(batch, 0.2, window), _reference(batch, 0.2, window), torch.float32)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])

@@ -1,5 +1,6 @@
 """The whole engine with the Triton attention backend gives the torch backend's greedy tokens:
-plain prompts, chunked prefill mixed with decodes, prefix-cache hits, a sliding window."""
+plain prompts, chunked prefill mixed with decodes, prefix-cache hits, a sliding window, and
+speculative verification rows."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def test_triton_engine_sliding_window(checkpoint_factory, device):
     prompts = PROMPTS[1:2] + PROMPTS[3:]
     expected = _greedy_tokens(model_dir, "torch", prompts, 4, device, block_size=4)
     assert _greedy_tokens(model_dir, "triton", prompts, 4, device, block_size=4) == expected
+
+
+def test_triton_engine_speculative_verification(llama_dir, device):
+    """Verification rows (last token + drafts) through the Triton kernel; the target drafting for
+    itself, so every row carries its full K + 1 tokens."""
+    spec = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "adaptive": False}
+    expected = _greedy_tokens(llama_dir, "torch", PROMPTS, 6, device, block_size=8)
+    assert _greedy_tokens(llama_dir, "triton", PROMPTS, 6, device, block_size=8, speculative_config=spec) == expected

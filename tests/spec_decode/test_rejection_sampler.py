@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from kvtide.spec_decode.policy import expected_tokens
 from kvtide.spec_decode.rejection_sampler import (
     accept_matching,
     expected_acceptance_rate,
-    expected_tokens_per_step,
     rejection_sample,
 )
 
@@ -233,14 +233,14 @@ def test_rejection_sample_empty_batch():
 # ---------------------------------------------------------------------------- theory
 
 def test_expected_tokens_per_step():
-    assert expected_tokens_per_step(0.0, 4) == 1.0
-    assert expected_tokens_per_step(1.0, 4) == 5.0
-    assert expected_tokens_per_step(1.0, 0) == 1.0
-    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
-    assert expected_tokens_per_step(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
-    assert expected_tokens_per_step(0.999999, 3) == pytest.approx(4.0, rel=1e-5)  # continuous at a = 1
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(1.0, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_tokens(0.999999, 3) == pytest.approx(4.0, rel=1e-5)  # continuous at a = 1
     with pytest.raises(ValueError):
-        expected_tokens_per_step(1.5, 2)
+        expected_tokens(1.5, 2)
 
 
 def test_expected_acceptance_rate():

@@ -239,3 +239,16 @@ def test_aborts_mid_verification_leak_nothing(llama_dir):
     assert spec_stats(llm)["num_drafts"] > 0
     engine.core.check_integrity()
     assert engine.core.scheduler.kv_cache_manager.pool.num_used_blocks == 0
+
+
+def test_engine_logs_acceptance(self_draft_pair, monkeypatch, caplog):
+    import kvtide.engine.core as core
+
+    monkeypatch.setattr(core, "SPEC_LOG_INTERVAL_S", 0.0)
+    _, spec = self_draft_pair
+    with caplog.at_level("INFO", logger="kvtide.engine.core"):
+        spec.generate(PROMPTS[:2], GREEDY)
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding:" in r.getMessage()]
+    lines = lines[1:]  # the first covers everything since the (shared) engine started
+    assert lines and all("acceptance rate 1.000" in line for line in lines)
+    assert any("mean accepted length 4.00" in line for line in lines)  # K = 3 drafts + the bonus token

@@ -4,8 +4,17 @@ heads propose poorly, and the output is still exactly the non-speculative output
 from __future__ import annotations
 
 import pytest
-from test_heads import HEADS, HIDDEN, INTER, KV_HEADS, TARGET_LAYERS, Eagle1Reference, Eagle3Reference, \
-    medusa_tensors, write_checkpoint
+from test_heads import (
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    TARGET_LAYERS,
+    Eagle1Reference,
+    Eagle3Reference,
+    medusa_tensors,
+    write_checkpoint,
+)
 
 from kvtide import LLM, SamplingParams
 
