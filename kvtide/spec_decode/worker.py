@@ -33,6 +33,7 @@ from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.spec_decode.draft_proposer import ChainProposer
 from kvtide.spec_decode.ngram import NgramProposer
 from kvtide.spec_decode.rejection_sampler import accept_matching, rejection_sample
+from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
 from kvtide.worker.model_runner import CachedRequestState, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class SpecDecodeWorker:
         self.generator.manual_seed(config.model_config.seed + 2)
         """Rejection-sampling noise of unseeded requests."""
         self.draft_model: torch.nn.Module | None = None
+        self.draft_graphs: DecodeCudaGraphs | None = None
+        """A draft model's decode CUDA graphs: its chain steps (one token per row) replay them."""
         self.ngram = self.chain = self.medusa = self.eagle = None
         self._last_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         """Medusa: request id -> (runner uid, the target's hidden state that predicted its last token)."""
@@ -70,8 +73,8 @@ class SpecDecodeWorker:
             self.draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
             if device.type == "cpu":
                 prepack_weights(self.draft_model, config.device_config.cpu_weight_prepack)
-            self.chain = ChainProposer(self.draft_model, self.draft_model.compute_logits, self.block_size, device,
-                                       catch_up=True, sampler=draft_sampler, vocab_size=vocab_size,
+            self.chain = ChainProposer(self._draft_forward, self.draft_model.compute_logits, self.block_size,
+                                       device, catch_up=True, sampler=draft_sampler, vocab_size=vocab_size,
                                        seed=config.model_config.seed)
         elif spec.method == "medusa":
             from kvtide.spec_decode.heads.medusa import MedusaHeads
@@ -92,9 +95,18 @@ class SpecDecodeWorker:
         else:
             raise ValueError(f"speculative method {spec.method!r} is not available in this build")
 
-    # ---- KV cache of a draft model -------------------------------------------------------------
+    # ---- KV cache and CUDA graphs of a draft model ---------------------------------------------
     def attention_layers(self) -> list:
         return self.draft_model.attention_layers() if self.draft_model is not None else []
+
+    def capture_graphs(self, config: EngineConfig) -> None:
+        """After the caches are bound: a draft model's decode graphs (CUDA with the Triton backend;
+        a no-op elsewhere). Catch-up passes and the heads' steps run eagerly."""
+        if self.config.method == "draft_model":
+            self.draft_graphs = maybe_capture_decode_graphs(self.draft_model, config, self.device)
+
+    def _draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+        return run_model(self.draft_model, self.draft_graphs, input_ids, positions, metadata)
 
     # ---- propose -------------------------------------------------------------------------------
     def propose(self, so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> dict[str, list[int]]:

@@ -110,6 +110,8 @@ class ModelRunner:
             attn.backend = self.attention_backend
             self.kv_caches.append(cache)
         self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
+        if self.spec is not None:
+            self.spec.capture_graphs(self.config)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -204,3 +204,43 @@ def test_graph_replay_equals_eager(llama_dir, device, close):
             close(replayed, expected, torch.float32)
             for c, e in zip(caches, expected_caches, strict=True):
                 close(c, e, torch.float32)
+
+
+@pytest.mark.triton
+def test_draft_model_chain_steps_replay_its_graphs(llama_dir, device):
+    """A draft model's single-token chain steps go through its decode graphs (here eager stand-ins
+    on the CPU, real captures on CUDA); the output stays the non-speculative output."""
+    from kvtide import LLM, SamplingParams
+
+    spec = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "adaptive": False}
+    kwargs = dict(device=device.type, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="8MiB",
+                  block_size=BLOCK_SIZE, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello, my name is", "The capital of France"]
+    expected = [o.outputs[0].token_ids for o in LLM(llama_dir, attention_backend="torch", **kwargs).generate(prompts, params)]
+    llm = LLM(llama_dir, attention_backend="triton", speculative_config=spec, **kwargs)
+    worker = llm.engine.core.executor.runner.spec
+    if device.type != "cuda":
+        graphs = DecodeCudaGraphs(worker.draft_model, BLOCK_SIZE, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+                                  device=device)
+        replays: list[int] = []
+        for bucket in graphs.sizes:
+            stand_in = _EagerReplay(graphs, bucket)
+            graphs.graphs[bucket] = _Counted(stand_in, replays)  # type: ignore[assignment]
+            graphs.outputs[bucket] = torch.empty(bucket, worker.draft_model.config.hidden_size, device=device)
+        worker.draft_graphs = graphs
+    assert worker.draft_graphs is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    if device.type != "cuda":
+        assert len(replays) > 0
+    assert llm.engine.core.get_stats().spec_decoding["num_accepted_tokens"] > 0
+
+
+class _Counted:
+    def __init__(self, replay: _EagerReplay, calls: list[int]) -> None:
+        self.inner, self.calls = replay, calls
+
+    def replay(self) -> None:
+        self.calls.append(self.inner.bucket)
+        self.inner.replay()
