@@ -233,17 +233,18 @@ def _job_from_item(item, maker: PromptMaker, output_len: int | None, multi_turn:
 
 def load_tokenizer_for_bench(tokenizer: str | None, model: str | None):
     """The tokenizer used to size prompts: --tokenizer, else --model when it names a local directory,
-    'demo' or a hub id in the local cache; else kvtide's byte tokenizer (lengths then approximate)."""
+    a built-in model ('demo', 'smollm2') or a hub id in the local cache; else kvtide's byte tokenizer
+    (lengths then approximate)."""
     from transformers import AutoTokenizer
 
     for name in (tokenizer, model):
         if not name:
             continue
         path = name
-        if name == "demo":
-            from kvtide.models.demo import demo_model_path
+        if name in ("demo", "smollm2"):  # the built-in names, as the server resolves them
+            from kvtide.engine_args import EngineArgs
 
-            path = demo_model_path()
+            path = EngineArgs(model=name).resolve_model_dir()
         try:  # a hub id only from the local cache: a benchmark should not wait on the network
             return AutoTokenizer.from_pretrained(path, local_files_only=not os.path.isdir(path))
         except Exception:

@@ -83,3 +83,14 @@ def test_grounded_requests_copy_their_input(tokenizer):
         assert job.prompt_token_ids == tokenizer.encode(job.user_turns[0], add_special_tokens=False)
         assert job.prompt_lens == [len(job.prompt_token_ids)]
         assert "Repeat" in job.user_turns[0] or "Rewrite" in job.user_turns[0]
+
+
+def test_builtin_model_names_size_prompts_with_their_own_tokenizer():
+    """`bench serve --model smollm2` against a server of the built-in model: its tokenizer and chat
+    template, not the byte fallback (the grounded requests would lose their chat turns)."""
+    from kvtide.bench.datasets import load_tokenizer_for_bench
+
+    tokenizer = load_tokenizer_for_bench(None, "smollm2")
+    assert len(tokenizer) == 49152 and tokenizer.chat_template
+    jobs = build_dataset(dataset_args("--dataset-name", "grounded", "--num-prompts", "1"), tokenizer)
+    assert jobs[0].user_turns[0].startswith("<|im_start|>")
