@@ -51,10 +51,6 @@ class SpeculativeConfig:
     draft_hf_config: Any = None
     """The draft checkpoint's transformers config (draft_model, eagle, eagle3)."""
 
-    @property
-    def uses_model(self) -> bool:
-        return self.method in METHODS_WITH_MODEL
-
 
 def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
     """A JSON string or dict -> SpeculativeConfig (unresolved model path), or None when not given."""

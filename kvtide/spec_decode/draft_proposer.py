@@ -39,7 +39,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 
 
 @dataclass
-class _DraftSequence:
+class DraftSequence:
     """What prepare_step_inputs reads of a request, for the draft's own progress."""
 
     token_ids: list[int]
@@ -75,13 +75,13 @@ class ChainProposer:
     def propose(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
         """rows: (request state, drafts wanted k >= 1); the state's last token is x, at position
         state.num_computed_tokens. Returns k drafts per request."""
-        seqs: dict[str, _DraftSequence] = {}
+        seqs: dict[str, DraftSequence] = {}
         num_sched: dict[str, int] = {}
         wanted: dict[str, int] = {}
         for state, k in rows:
             start = state.num_computed_tokens
             done = self._draft_computed(state) if self.catch_up else start
-            seqs[state.request_id] = _DraftSequence(list(state.token_ids), done, state.block_ids, state.uid)
+            seqs[state.request_id] = DraftSequence(list(state.token_ids), done, state.block_ids, state.uid)
             num_sched[state.request_id] = start + 1 - done
             wanted[state.request_id] = k
             if self.catch_up:

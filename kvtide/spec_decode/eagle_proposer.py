@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvtide.sampling.ops import argmax_first
-from kvtide.spec_decode.draft_proposer import _DraftSequence
+from kvtide.spec_decode.draft_proposer import DraftSequence
 from kvtide.worker.model_runner import CachedRequestState, StepInputs, prepare_step_inputs
 
 
@@ -42,7 +42,7 @@ class EagleProposer:
         to the last accepted one; the state's token ids already end with the step's new token)."""
         features = torch.cat(self.target.aux_hidden_states, dim=-1) if self.head.method == "eagle3" else hidden
         qsl = inputs.metadata.query_start_loc_cpu
-        seqs: dict[str, _DraftSequence] = {}
+        seqs: dict[str, DraftSequence] = {}
         num_sched: dict[str, int] = {}
         first_token: dict[str, int] = {}
         for i, req_id in enumerate(inputs.order):
@@ -51,7 +51,7 @@ class EagleProposer:
                 continue
             state = requests[req_id]
             # shifted by one: the token at index i of this list is token_{i+1}, paired with feature_i
-            seqs[req_id] = _DraftSequence(state.token_ids[1:], state.num_computed_tokens, state.block_ids, state.uid)
+            seqs[req_id] = DraftSequence(state.token_ids[1:], state.num_computed_tokens, state.block_ids, state.uid)
             num_sched[req_id] = n
             first_token[req_id] = qsl[i]
         if not seqs:
@@ -73,7 +73,7 @@ class EagleProposer:
             return {}
         features = torch.stack([self._last[state.request_id][1] for state, _ in ready])
         drafts: dict[str, list[int]] = {state.request_id: [] for state, _ in ready}
-        seqs = {state.request_id: _DraftSequence(state.token_ids[1:], state.num_computed_tokens, state.block_ids,
+        seqs = {state.request_id: DraftSequence(state.token_ids[1:], state.num_computed_tokens, state.block_ids,
                                                  state.uid) for state, _ in ready}
         active = ready
         while True:
