@@ -145,7 +145,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.cache_config.block_size,
                 num_blocks * executor.kv_bytes_per_block() / 2**20)
     info = model_info(args, model_dir, config)
-    return EngineCore(config, executor), info
+    return EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code)), info
 
 
 def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = None) -> ModelInfo:

@@ -127,6 +127,42 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Constrained decoding (structured_output/)."""
+
+    backend: str = "xgrammar"
+    """The grammar engine ('auto' means xgrammar, the only one built in)."""
+    enable_jump_forward: bool = True
+    """Append the tokens a grammar forces (keys, punctuation, fixed strings) without sampling
+    each; requests that ask for logprobs are always decoded token by token."""
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> StructuredOutputsConfig:
+        """From --structured-outputs-config JSON (or a dict); ValueError naming a bad key."""
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown key(s) {sorted(unknown)}; known: backend, "
+                             "enable_jump_forward")
+        config = cls(**value)
+        if config.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config.backend must be 'xgrammar' or 'auto', got {config.backend!r}")
+        if not isinstance(config.enable_jump_forward, bool):
+            raise ValueError("structured_outputs_config.enable_jump_forward must be true or false")
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -134,6 +170,7 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     speculative_config: Any = None
     """kvtide.spec_decode.config.SpeculativeConfig, or None: no speculative decoding."""
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

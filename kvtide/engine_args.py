@@ -17,6 +17,7 @@ from kvtide.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     parse_size,
     resolve_dtype,
 )
@@ -78,6 +79,9 @@ class EngineArgs:
     "layer_skip", "num_speculative_tokens": K, ...} with "model" (draft or head checkpoint),
     "prompt_lookup_min"/"prompt_lookup_max" (ngram), "num_layers" (layer_skip), "disable_by_batch_size",
     "adaptive" (default true: per-request draft lengths from measured acceptance)."""
+    structured_outputs_config: str | dict | None = None
+    """Constrained decoding, as JSON: {"backend": "xgrammar", "enable_jump_forward": true} (jump-forward
+    appends the tokens a grammar forces without a forward pass each)."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -217,6 +221,7 @@ class EngineArgs:
                                        enforce_eager=self.enforce_eager,
                                        cpu_weight_prepack=self.cpu_weight_prepack),
             speculative_config=speculative,
+            structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )
 
     def replace(self, **kwargs) -> EngineArgs:

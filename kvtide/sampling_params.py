@@ -6,12 +6,112 @@ touches the engine. Field names and defaults follow vLLM's so user code carries 
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of some strings, an EBNF/GBNF grammar,
+    any JSON object, or an xgrammar structural tag (vLLM's names; exactly one is set). Each is
+    compiled to a token-level grammar; the sampler masks every token the grammar forbids."""
+
+    json: str | dict | None = None
+    """A JSON schema (a dict or its JSON text)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """EBNF (xgrammar's / GBNF syntax, the start rule named `root`)."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+    structural_tag: str | None = None
+    """An xgrammar structural tag (JSON text): free text with constrained tagged sections."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact output, fewer tokens)."""
+    disable_additional_properties: bool = False
+    """Accepted for vLLM compatibility: xgrammar compiles schemas strictly anyway (an object takes
+    properties the schema does not name only where it says additionalProperties)."""
+    whitespace_pattern: str | None = None
+    """Accepted for vLLM compatibility and refused if set: xgrammar has no such knob."""
+    reasoning_end_token_ids: list[int] | None = None
+    """Set by the server's reasoning parser: the grammar applies only once the output holds this
+    token sequence (the end of the reasoning section, e.g. the ids of "</think>")."""
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                             f"or structural_tag must be set, got {set_kinds or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from e
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("structured_outputs.json: a JSON schema is an object, got "
+                                 f"{type(parsed).__name__}")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True):
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        if self.reasoning_end_token_ids is not None:
+            if not self.reasoning_end_token_ids or not all(_is_int(t) and t >= 0
+                                                           for t in self.reasoning_end_token_ids):
+                raise ValueError("structured_outputs.reasoning_end_token_ids must be a non-empty list of "
+                                 f"token ids, got {self.reasoning_end_token_ids!r}")
+            self.reasoning_end_token_ids = list(self.reasoning_end_token_ids)
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+                             "use disable_any_whitespace")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> str:
+        """The constraint as canonical text: with the kind and the whitespace options, the key the
+        compiled grammar is cached under."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = _json.loads(value) if isinstance(value, str) else value
+            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return _json.dumps(value)
+        return "" if self.kind == "json_object" else value
+
+    def key(self) -> tuple[str, str, bool, bool]:
+        return (self.kind, self.spec(), self.disable_any_whitespace, self.disable_additional_properties)
+
+    @classmethod
+    def from_value(cls, value: object) -> StructuredOutputsParams | None:
+        """Accept an instance, a dict of its fields (as JSON or the wire carries it), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f for f in cls.__dataclass_fields__}
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}")
+            return cls(**value)
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
+                         f"{type(value).__name__}")
 
 
 class SamplingType(IntEnum):
@@ -65,6 +165,8 @@ class SamplingParams:
     speculation: bool = True
     """With a speculative-config engine, let this request be sped up by draft tokens (False: it
     always decodes one token per step; its output is the same either way for greedy requests)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a schema, regex, choice or grammar (structured_output/)."""
     # Filled by the engine: EOS of the model, so stop checks need no tokenizer.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -82,6 +184,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtide.config import EngineConfig
 from kvtide.engine.beam_search import BeamSearch
@@ -33,6 +34,7 @@ from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize
 from kvtide.spec_decode.policy import SpecDecodePolicy
+from kvtide.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,18 @@ class Executor(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 load_tokenizer: Callable[[], Any] | None = None) -> None:
         self.config = config
         self.executor = executor
         spec = config.speculative_config
+        self.structured_output = StructuredOutputManager(
+            load_tokenizer or _no_tokenizer, getattr(config.model_config.hf_config, "vocab_size", 0),
+            config.structured_outputs_config.enable_jump_forward)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.model_config.max_model_len,
-                                   SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None)
+                                   SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
+                                   self.structured_output)
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
         self.beam_search = BeamSearch(self.scheduler)
@@ -86,18 +93,24 @@ class EngineCore:
         if self._worker is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             return self._process(scheduler_output, self.executor.execute(scheduler_output))
         if self._pending is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
-            self._pending = self._launch(self.scheduler.schedule())
+            self._pending = self._launch(self._schedule())
         ahead = None
         if self.scheduler.has_unfinished_requests() and self._can_schedule_ahead():
-            ahead = self._launch(self.scheduler.schedule())
+            ahead = self._launch(self._schedule())
         scheduler_output, future = self._pending
         self._pending = ahead
         return self._process(scheduler_output, future.result())
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.has_compiling_requests():
+            self.structured_output.wait_for_compilation(0.05)  # instead of spinning on empty steps
+        return scheduler_output
 
     def _launch(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
         assert self._worker is not None
@@ -142,4 +155,9 @@ class EngineCore:
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _no_tokenizer():
+    raise ValueError("structured output needs the model's tokenizer, and this engine was built without one")

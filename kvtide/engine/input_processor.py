@@ -89,6 +89,8 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
         if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         if params.use_beam_search:
             num_stop = len(set(params.stop_token_ids or []) |
                            (set() if params.ignore_eos else set(self.eos_token_ids)))
@@ -96,6 +98,22 @@ class InputProcessor:
                 raise ValueError(f"beam_width: {params.num_beams} beams need "
                                  f"{max(2, 1 + num_stop) * params.num_beams} candidates per step, more "
                                  f"than the vocabulary ({self.vocab_size})")
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Parse the constraint now (a bad schema, regex or grammar is the caller's error, before
+        anything is queued); the engine core compiles it against the tokenizer."""
+        from kvtide.structured_output.grammars import build_grammar
+
+        so = params.structured_outputs
+        if params.use_beam_search:
+            raise ValueError("structured_outputs is not supported with use_beam_search=True")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (the grammar is compiled against its vocabulary)")
+        bad = [t for t in so.reasoning_end_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"structured_outputs.reasoning_end_token_ids: token id {bad[0]} is out of range "
+                             f"[0, {self.vocab_size})")
+        build_grammar(so)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:

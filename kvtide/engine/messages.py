@@ -38,4 +38,7 @@ class SchedulerStats:
     step_tokens: int = 0
     spec_decoding: dict | None = None
     """Speculative decoding counters (spec_decode/metrics.py), None when speculation is off."""
+    structured_output: dict | None = None
+    """Structured output counters and recent compile times (structured_output/manager.py), None
+    before the first constrained request."""
     extra: dict = field(default_factory=dict)

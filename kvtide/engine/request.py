@@ -79,6 +79,13 @@ class Request:
         self.fork_of = core_request.fork_of
         self.spec_stats = None
         """Speculative decoding: this request's acceptance estimate (spec_decode/policy.py)."""
+        self.grammar_future = None
+        """Structured output: the compilation of this request's grammar, until it is ready."""
+        self.grammar = None
+        """Structured output: its RequestGrammar (structured_output/grammar.py) once compiled."""
+        self.grammar_error: str | None = None
+        self.unsent_token_ids: list[int] = []
+        """Tokens appended here that the runner did not sample (jump-forward): sent with the next step."""
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

@@ -44,14 +44,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        # A row sums to a finite value iff every logit is finite (bar overflow of a finite sum,
-        # which the exact check then clears): one cheap reduction instead of a full isfinite pass,
-        # read back as floats and checked in Python (one op instead of four tiny ones per step).
-        bad_rows = [i for i, total in enumerate(logits.sum(dim=-1).tolist()) if not math.isfinite(total)]
+        # A row is bad if it holds NaN or +inf, or nothing but -inf (-inf alone is a masked token:
+        # structured output, logit processors). A row summing to a finite value is fine: one cheap
+        # reduction read back as floats, and the exact check only for the rows it flags.
+        totals = logits.sum(dim=-1).tolist()
+        bad_rows = [i for i, total in enumerate(totals) if not math.isfinite(total)]
         if bad_rows:
-            finite = torch.isfinite(logits).all(dim=-1)
-            bad_rows = (~finite).nonzero().flatten().tolist()
+            suspects = logits[bad_rows]
+            broken = (suspects.isnan() | suspects.isposinf()).any(dim=-1) | (suspects.amax(dim=-1) == -math.inf)
+            bad_rows = [bad_rows[j] for j in broken.nonzero().flatten().tolist()]
             if bad_rows:
+                finite = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+                finite[bad_rows] = False
                 logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
 
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None

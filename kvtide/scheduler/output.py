@@ -7,6 +7,7 @@ requests go down in full; running ones as diffs (new block ids, how many tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtide.sampling_params import SamplingParams
 
@@ -31,6 +32,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens the scheduler appended that the runner did not sample (structured output's
+    jump-forward): the runner appends them before computing this step."""
 
 
 @dataclass
@@ -53,6 +57,10 @@ class SchedulerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """request id -> draft slots among its scheduled tokens: the runner proposes up to that many
     drafts after the request's last token and verifies them in this step."""
+
+    grammar: Any = None
+    """Structured output: a GrammarStep (structured_output/step.py) with the matchers of the
+    constrained requests sampling this step, or None when there are none."""
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,12 @@ num_computed_tokens rolls back over the rejected ones, whose slots the next step
 Drafts never enter the request's token ids until accepted, so a block holding unverified tokens
 is never published to the prefix cache. k comes from the adaptive policy (spec_decode/policy.py).
 
+Structured output: a constrained request waits in the queue until its grammar has compiled
+(structured_output/manager.py); each step hands the runner the matchers of the constrained
+requests that sample (SchedulerOutput.grammar), and every emitted token advances the request's
+matcher. Where the grammar then forces a continuation, those tokens are appended at once
+(jump-forward) and computed with the next step like a short prefill chunk.
+
 Forks: a request naming `fork_of` (the n > 1 / best_of siblings) is held until that sibling has
 computed the prompt, then shares its blocks (KVCacheManager.fork) and computes only the last prompt
 token; `fork_request` is also the hook beam search uses for its beams.
@@ -90,9 +96,14 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, spec_policy: SpecDecodePolicy | None = None) -> None:
+                 max_model_len: int, spec_policy: SpecDecodePolicy | None = None,
+                 structured_output=None) -> None:
         self.config = scheduler_config
         self.spec_policy = spec_policy
+        self.structured_output = structured_output
+        """A StructuredOutputManager (compiles grammars, makes matchers), or None."""
+        self._grammar_failures: list[EngineCoreOutput] = []
+        """Requests ended because their grammar did not compile, reported with the next outputs."""
         self.spec_stats = SpecDecodingStats(spec_policy.config.num_speculative_tokens if spec_policy else 0)
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -131,6 +142,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_request(request)
+        if self.structured_output is not None:
+            self.structured_output.add_request(request)
         self.requests[request.request_id] = request
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if parent is not None and parent.num_output_tokens == 0 and not parent.is_finished():
@@ -254,7 +267,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                 request.num_computed_tokens))
+                                                 request.num_computed_tokens, request.unsent_token_ids))
+            request.unsent_token_ids = []
         self.running = scheduled_running + remaining
 
         if not preempted:
@@ -281,6 +295,9 @@ class Scheduler:
                 # The runner samples here; until that token is reported it counts as known.
                 request.num_output_placeholders += 1
                 output.sampling_req_ids.add(req_id)
+        if self.structured_output is not None:
+            output.grammar = self.structured_output.grammar_step(
+                [self.requests[r] for r in output.sampling_req_ids])
         return output
 
     def _num_draft_tokens(self, request: Request, budget: int) -> int:
@@ -307,15 +324,25 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the pending one reports: not while a fork
-        waits for its parent's first token (it must share the blocks as they are then)."""
-        return not self._pending_forks
+        waits for its parent's first token (it must share the blocks as they are then), nor while a
+        constrained request runs (its next mask follows from the token being sampled)."""
+        return not self._pending_forks and not any(r.grammar is not None for r in self.running)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_reqs: list[NewRequestData]) -> int:
+        compiling: list[Request] = []
+        """Requests whose grammar is still compiling: they keep their place in the queue."""
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still to be reported
                 break
+            if self.structured_output is not None and not self.structured_output.is_ready(request):
+                compiling.append(self.waiting.pop())
+                continue
+            if request.grammar_error is not None:
+                self.waiting.pop()
+                self._fail_grammar(request)
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -334,9 +361,21 @@ class Scheduler:
             budget -= num_new
             self._send_full.discard(request.request_id)
             new_reqs.append(self._new_request_data(request))
+        for request in reversed(compiling):
+            self.waiting.add_front(request)
         return budget
 
+    def _fail_grammar(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                                       error=request.grammar_error))
+        self._free_request(request)
+
+    def has_compiling_requests(self) -> bool:
+        return any(r.grammar_future is not None for r in self.waiting)
+
     def _new_request_data(self, request: Request) -> NewRequestData:
+        request.unsent_token_ids = []  # the runner gets every token
         return NewRequestData(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids),
@@ -367,7 +406,7 @@ class Scheduler:
     # ---- after the forward pass ------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         stopped: list[Request] = []
         requeued: set[Request] = set()
         """Preempted after this step was scheduled ahead (they wait to recompute)."""
@@ -402,11 +441,18 @@ class Scheduler:
                     out.new_token_ids.append(token)
                     if entry is not None:
                         out.new_logprobs = (out.new_logprobs or []) + [_as_tuple(entry)]
-                    if self._check_stop(request):  # a stop inside an accepted run drops the rest
+                    if self._check_stop(request) or (request.grammar is not None
+                                                     and self._check_grammar(request, out)):
+                        # a stop inside an accepted run drops the rest
                         out.finish_reason = request.status.finish_reason
                         out.stop_reason = request.stop_reason
                         stopped.append(request)
                         break
+                else:
+                    if request.grammar is not None and self._jump_forward(request, out):
+                        out.finish_reason = request.status.finish_reason
+                        out.stop_reason = request.stop_reason
+                        stopped.append(request)
                 if req_id in self._pending_forks:  # the prompt is computed: siblings share it
                     for child in self._pending_forks.pop(req_id):
                         self.fork_request(request, child)
@@ -420,6 +466,33 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    def _check_grammar(self, request: Request, out: EngineCoreOutput) -> bool:
+        """After an emitted token: advance the request's matcher. Ends the request (True) when the
+        grammar completed, or, which masking rules out, when it forbids the token."""
+        if not request.grammar.accept(request.output_token_ids[-1]):
+            request.status = RequestStatus.FINISHED_ABORTED
+            out.error = f"token {request.output_token_ids[-1]} is not allowed by the request's grammar"
+            return True
+        if request.grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    def _jump_forward(self, request: Request, out: EngineCoreOutput) -> bool:
+        """Append the tokens the grammar forces after this step's tokens; True if one ends the
+        request (max_tokens, max_model_len, a stop token id)."""
+        if self.structured_output is None or not self.structured_output.jump_forward_for(request):
+            return False
+        limit = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+        for token in request.grammar.jump_forward_tokens(limit):
+            request.append_output_token(token)
+            request.unsent_token_ids.append(token)
+            out.new_token_ids.append(token)
+            self.structured_output.stats.num_jump_forward_tokens += 1
+            if self._check_stop(request):
+                return True
+        return False
 
     def _account_drafts(self, request: Request, num_slots: int, num_drafted: int, num_accepted: int) -> None:
         """After a verification step: roll num_computed_tokens back over the rejected slots (those of
@@ -463,7 +536,9 @@ class Scheduler:
             kv_cache_usage=pool.usage(), num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             num_used_blocks=pool.num_used_blocks, num_evictable_blocks=pool.num_evictable_blocks,
-            num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None)
+            num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None,
+            structured_output=self.structured_output.stats.as_dict()
+            if self.structured_output is not None and self.structured_output.stats.num_constrained_requests else None)
 
 
 class QueueFullError(ValueError):

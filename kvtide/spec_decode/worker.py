@@ -131,6 +131,13 @@ class SpecDecodeWorker:
         tokens = self.medusa(hidden).argmax(dim=-1).tolist()  # (R, heads)
         return {state.request_id: row[:k] for (state, k), row in zip(ready, tokens, strict=True)}
 
+    def sampled_draft_ids(self, drafts: dict[str, list[int]]) -> set[str]:
+        """Requests whose drafts were sampled from a draft distribution (verified by rejection
+        sampling against it) rather than proposed deterministically."""
+        if self.chain is None:
+            return set()
+        return {req_id for req_id in drafts if self.chain.draft_probs.get(req_id) is not None}
+
     # ---- verify --------------------------------------------------------------------------------
     def verify(self, sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState],
                drafts: dict[str, list[int]], vocab_size: int, output: ModelRunnerOutput) -> dict[str, list[int]]:

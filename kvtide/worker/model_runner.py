@@ -124,15 +124,18 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         drafts = self.spec.propose(so, self.requests) if self.spec is not None and so.num_draft_tokens else {}
+        if so.grammar is not None and drafts:  # structured output: drafts the grammar forbids are cut
+            drafts = so.grammar.check_drafts(drafts, keep=self.spec.sampled_draft_ids(drafts))
         inputs = self._prepare_inputs(so, drafts)
         hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(so, inputs, hidden, output)
         if self.spec is not None:
-            emitted = self._verify(inputs, hidden, drafts, output) if inputs.sample_rows else {}
+            emitted = self._verify(so, inputs, hidden, drafts, output) if inputs.sample_rows else {}
             self.spec.observe(inputs, hidden, self.requests, drafts, emitted)
         elif inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            self._apply_grammar(so, inputs, logits, drafts)
             states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
             if FAULTS is not None:  # fault injection for the reliability tests (kvtide/testing/faults.py)
                 FAULTS.on_logits(logits, [s.token_ids[:s.num_prompt_tokens] for s in states])
@@ -151,12 +154,22 @@ class ModelRunner:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
         return output
 
-    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, drafts: dict[str, list[int]],
-                output: ModelRunnerOutput) -> dict[str, list[int]]:
+    @staticmethod
+    def _apply_grammar(so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor,
+                       drafts: dict[str, list[int]]) -> None:
+        """Structured output: mask the constrained rows' logits in place (after the forward pass
+        was launched, so on CUDA the masks are filled while it runs)."""
+        if so.grammar is not None:
+            so.grammar.apply(logits, [(inputs.order[i], len(drafts.get(inputs.order[i], ())) + 1)
+                                      for i in inputs.sample_rows])
+
+    def _verify(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                drafts: dict[str, list[int]], output: ModelRunnerOutput) -> dict[str, list[int]]:
         """Sampling with speculative decoding: every sampling row through the verifier (a row
         without drafts is an ordinary sample). Returns each row's emitted tokens."""
         assert self.spec is not None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        self._apply_grammar(so, inputs, logits, drafts)
         states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
         emitted = self.spec.verify(self.sampler, logits, states, drafts, self.vocab_size, output)
         for state in states:
@@ -176,6 +189,7 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
         num_sched = so.num_scheduled_tokens

@@ -1,0 +1,83 @@
+"""RequestGrammar: one request's grammar matcher, advanced by the tokens the request emits.
+
+The matcher follows the request's output tokens, which survive preemption (only their KV is
+recomputed), so a preempted request resumes with its grammar where it was. Drafts are tried on
+the matcher and rolled back; only emitted tokens stay accepted.
+
+With a reasoning section (`reasoning_end_token_ids`), the grammar is dormant until the output
+holds that token sequence and applies to every token after it.
+"""
+
+from __future__ import annotations
+
+
+class RequestGrammar:
+    def __init__(self, compiled, stop_token_ids: list[int], reasoning_end_token_ids: list[int] | None,
+                 output_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self._reasoning_end = list(reasoning_end_token_ids or [])
+        self.active = not self._reasoning_end
+        self._recent: list[int] = []
+        """The last tokens seen while dormant (to find the end of the reasoning section)."""
+        self.num_jump_forward_tokens = 0
+        for token in output_token_ids:  # a grammar made after tokens were emitted catches up
+            self.accept(token)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over an emitted token; False when the grammar forbids it (or has ended)."""
+        if not self.active:
+            self._recent = (self._recent + [token_id])[-len(self._reasoning_end):]
+            self.active = self._recent == self._reasoning_end
+            return True
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar accepted its stop token: the output is complete."""
+        return self.active and self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask, row: int) -> bool:
+        """Write the allowed next tokens into bitmask[row]; False when every token is allowed
+        (dormant, or the grammar allows anything here) so the row need not be masked."""
+        if not self.active:
+            return False
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def check_drafts(self, drafts: list[int], bitmask, first_row: int) -> int:
+        """Fill bitmask rows first_row .. first_row + len(drafts) for the positions after each
+        draft prefix, trying the drafts on the matcher and rolling them back. Returns how many
+        leading drafts the grammar allows; the rows after the first forbidden draft repeat the
+        mask of its position (the verifier rejects it there, so they are never read)."""
+        if not self.active:
+            return len(drafts)
+        num_ok = 0
+        for j, token in enumerate(drafts):
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
+            if not self.matcher.accept_token(token):
+                for rest in range(j + 1, len(drafts) + 1):
+                    bitmask[first_row + rest] = bitmask[first_row + j]
+                break
+            num_ok += 1
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + len(drafts))
+        if num_ok:
+            self.matcher.rollback(num_ok)
+        return num_ok
+
+    def jump_forward_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (keys, punctuation, fixed strings),
+        accepted on the matcher: the request appends them without sampling each one. xgrammar
+        stops before a token that a longer vocabulary token could extend, so the model keeps
+        its choice at the boundary."""
+        if not self.active or limit <= 0 or self.matcher.is_terminated():
+            return []
+        tokens = self.matcher.find_jump_forward_tokens()[:limit]
+        accepted = []
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            accepted.append(token)
+        self.num_jump_forward_tokens += len(accepted)
+        return accepted
