@@ -185,6 +185,8 @@ class Scheduler:
             self.waiting.add_front(child)
             return
         self.kv_cache_manager.fork(parent, child)
+        if self.structured_output is not None:
+            self.structured_output.make_ready(child)
         if child.num_cached_tokens < 0:
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
         child.status = RequestStatus.RUNNING

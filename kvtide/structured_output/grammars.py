@@ -19,8 +19,8 @@ def build_grammar(params: StructuredOutputsParams):
             schema = _bounded_strings_as_patterns(json.loads(params.spec()))
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
                                                 strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # any object (xgrammar's builtin JSON grammar admits any value)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -35,9 +35,11 @@ def build_grammar(params: StructuredOutputsParams):
 
 
 def _bounded_strings_as_patterns(schema):
-    """Strings with minLength/maxLength (and no pattern or format) as the equivalent pattern.
-    xgrammar 0.2.9 compiles such a string to characters that include raw control characters
-    (invalid in JSON) and no escapes; its regex path for `pattern` gets JSON strings right."""
+    """Strings with minLength/maxLength (and no pattern or format) as a pattern of as many
+    characters. xgrammar 0.2.9 compiles a bounded string to characters that include raw control
+    characters (invalid in JSON) and UTF-8-encoded surrogates (invalid UTF-8, which decode to three
+    replacement characters and so break the bound); the pattern excludes both. Such values then
+    hold no quote or backslash (the pattern admits no escapes)."""
     if isinstance(schema, list):
         return [_bounded_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
@@ -47,7 +49,7 @@ def _bounded_strings_as_patterns(schema):
     if (schema.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(schema)
             and all(isinstance(schema.get(k, 0), int) for k in ("minLength", "maxLength"))):
         low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
-        schema["pattern"] = f"^[^\\x00-\\x1f]{{{low},{high}}}$"
+        schema["pattern"] = f"^[^\\x00-\\x1f\\uD800-\\uDFFF]{{{low},{high}}}$"
     return schema
 
 

@@ -75,6 +75,13 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
         request.grammar_future = future
 
+    def make_ready(self, request) -> None:
+        """Give a request its matcher now, waiting for the compilation if need be: a fork of a
+        running request (an n > 1 sibling) shares its constraint, so that one is compiled."""
+        if request.grammar_future is not None:
+            wait([request.grammar_future])
+            self.is_ready(request)
+
     def is_ready(self, request) -> bool:
         """Whether the request may be scheduled: no grammar, or its matcher made (or its
         compilation failed: `request.grammar_error` says why, and the scheduler ends it)."""
