@@ -32,6 +32,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.num_invalid_structured_outputs = 0
+        """Requests refused for a schema, regex or grammar that does not parse (a metric)."""
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         text: str | None = None
@@ -113,7 +115,11 @@ class InputProcessor:
         if bad:
             raise ValueError(f"structured_outputs.reasoning_end_token_ids: token id {bad[0]} is out of range "
                              f"[0, {self.vocab_size})")
-        build_grammar(so)
+        try:
+            build_grammar(so)
+        except ValueError:
+            self.num_invalid_structured_outputs += 1
+            raise
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:

@@ -9,6 +9,11 @@ spec_decode_num_accepted_tokens and spec_decode_num_accepted_tokens_per_pos{posi
 from the deltas of SchedulerStats.spec_decoding; the per-position family has one sample per draft
 position once the engine reports speculation, none without it.
 
+Structured output: structured_output_requests (constrained requests admitted), its grammar cache
+hits, grammar_compile_seconds (a histogram of compilations), jump_forward_tokens (tokens appended
+without a forward pass each) and invalid_requests (constraints refused with a 400: bad schema,
+regex or grammar), from SchedulerStats.structured_output and the input processor.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
@@ -84,6 +89,17 @@ class ServerMetrics:
         self._spec_accepted_per_pos = Counter("kvtide:spec_decode_num_accepted_tokens_per_pos",
                                               "Draft tokens accepted at each position of their draft.",
                                               ["model_name", "position"], registry=r)
+        self.so_requests = counter("structured_output_requests", "Requests admitted with a structured output constraint.")
+        self.so_cache_hits = counter("structured_output_grammar_cache_hits",
+                                     "Constrained requests whose grammar was already compiled.")
+        self.so_compile_seconds = histogram("structured_output_grammar_compile_seconds",
+                                            "Time to compile a grammar against the vocabulary.", _LATENCY_BUCKETS)
+        self.so_jump_forward_tokens = counter("structured_output_jump_forward_tokens",
+                                              "Tokens appended without a forward pass each (forced by the grammar).")
+        self.so_invalid = counter("structured_output_invalid_requests",
+                                  "Requests refused because their schema, regex or grammar is invalid.")
+        self._so_last_compile = 0
+        self._so_last_invalid = 0
         self._last_stats = SchedulerStats()
 
     # ---- StatLogger (called by AsyncLLM) --------------------------------------------------------
@@ -122,7 +138,27 @@ class ServerMetrics:
             if new > old:
                 counter.inc(new - old)
         self._update_spec_decoding(stats.spec_decoding, last.spec_decoding)
+        self._update_structured_output(stats.structured_output, last.structured_output)
         self._last_stats = stats
+
+    def _update_structured_output(self, new: dict | None, old: dict | None) -> None:
+        if new is None:
+            return
+        for counter, key in ((self.so_requests, "num_constrained_requests"), (self.so_cache_hits, "num_cache_hits"),
+                             (self.so_jump_forward_tokens, "num_jump_forward_tokens")):
+            gained = new[key] - (old[key] if old is not None else 0)
+            if gained > 0:
+                counter.inc(gained)
+        for number, seconds in new["compile_seconds"]:
+            if number > self._so_last_compile:
+                self.so_compile_seconds.observe(seconds)
+                self._so_last_compile = number
+
+    def record_invalid_structured_outputs(self, total: int) -> None:
+        """The input processor's count of refused constraints so far."""
+        if total > self._so_last_invalid:
+            self.so_invalid.inc(total - self._so_last_invalid)
+            self._so_last_invalid = total
 
     def _update_spec_decoding(self, new: dict | None, old: dict | None) -> None:
         """Add what the engine's speculative-decoding counters gained since the last scrape."""
