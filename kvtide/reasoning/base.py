@@ -1,0 +1,150 @@
+"""The reasoning-parser interface: split a thinking model's text into reasoning_content and content.
+
+Each parser is one streaming scanner; the non-streamed result is that scanner run over the whole
+text, so both agree however the text was cut into chunks. Shared rules:
+- Whitespace next to the tags belongs to neither part: reasoning is stripped at both ends, and
+  content that follows the end tag loses its leading whitespace. An empty part is None.
+- Only the first end tag counts; a later one is ordinary content.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (text to hold back)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class _Stripped:
+    """Streams text with leading (and, if asked, trailing) whitespace removed as str.strip() would;
+    trailing whitespace is held until more text follows it."""
+
+    def __init__(self, strip_trailing: bool) -> None:
+        self._strip_trailing = strip_trailing
+        self._started = False
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        text = self._held + text
+        self._held = ""
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        if self._strip_trailing:
+            body = text.rstrip()
+            self._held = text[len(body) :]
+            return body
+        return text
+
+
+class StreamingReasoningParser:
+    """One request's streaming state (make one per request with ReasoningParser.streaming()).
+
+    Text that may be the start of a tag ("</th") is held until the next chunk decides it."""
+
+    def __init__(self, start_tag: str, end_tag: str, reasoning_without_start_tag: bool) -> None:
+        self._start_tag = start_tag
+        self._end_tag = end_tag
+        self._reasoning_without_start_tag = reasoning_without_start_tag
+        self._buffer = ""
+        self._state = "start"
+        """start -> reasoning -> content_after_end; or start -> content (no reasoning at all)."""
+        self._reasoning = _Stripped(strip_trailing=True)
+        self._content_after_end = _Stripped(strip_trailing=False)
+        self._finished = False
+
+    def feed(self, delta_text: str) -> tuple[str | None, str | None]:
+        """(reasoning delta, content delta) for the next chunk; None for a part with nothing to send."""
+        if self._finished:
+            return None, None
+        self._buffer += delta_text
+        return self._scan(final=False)
+
+    def finish(self) -> tuple[str | None, str | None]:
+        """End of stream: whatever was held is decided and sent."""
+        if self._finished:
+            return None, None
+        self._finished = True
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> tuple[str | None, str | None]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._step(reasoning, content, final):
+            pass
+        return "".join(reasoning) or None, "".join(content) or None
+
+    def _step(self, reasoning: list[str], content: list[str], final: bool) -> bool:
+        """Decide the next stretch of the buffer; False when the rest must wait for more text."""
+        buffer = self._buffer
+        if self._state == "start":
+            opening = buffer.lstrip()
+            if opening.startswith(self._start_tag):
+                self._buffer, self._state = opening[len(self._start_tag) :], "reasoning"
+                return True
+            if not final and self._start_tag.startswith(opening):
+                return False
+            self._state = "reasoning" if self._reasoning_without_start_tag else "content"
+            return True
+        if self._state == "reasoning":
+            end = buffer.find(self._end_tag)
+            if end >= 0:
+                reasoning.append(self._reasoning.push(buffer[:end]))
+                self._buffer, self._state = buffer[end + len(self._end_tag) :], "content_after_end"
+                return True
+            keep = 0 if final else _partial_tag_len(buffer, self._end_tag)
+            reasoning.append(self._reasoning.push(buffer[: len(buffer) - keep]))
+            self._buffer = buffer[len(buffer) - keep :]
+            return False
+        if self._state == "content_after_end":
+            content.append(self._content_after_end.push(buffer))
+        else:
+            content.append(buffer)
+        self._buffer = ""
+        return False
+
+
+class ReasoningParser:
+    """A thinking model family's convention for where reasoning ends. Parsers read text only;
+    `tokenizer` (a Hugging Face tokenizer) is kept for parsers that may need it, never required.
+
+    The server must detokenize without skipping special tokens if the model's tags are special
+    tokens, or the tags never reach the parser."""
+
+    name: ClassVar[str]
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
+    reasoning_without_start_tag: ClassVar[bool]
+    """What an output not opening with start_tag is: reasoning (the prompt opened the tag) or content."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def streaming(self) -> StreamingReasoningParser:
+        """Fresh per-request streaming state."""
+        return StreamingReasoningParser(self.start_tag, self.end_tag, self.reasoning_without_start_tag)
+
+    def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output. Never raises."""
+        try:
+            stream = self.streaming()
+            reasoning, content = stream.feed(model_output)
+            reasoning_tail, content_tail = stream.finish()
+        except Exception:  # a parser bug must not fail the request: the text is still the answer
+            logger.exception("%s reasoning parser failed; returning the output as content", self.name)
+            return None, model_output or None
+        return _join(reasoning, reasoning_tail), _join(content, content_tail)
+
+
+def _join(head: str | None, tail: str | None) -> str | None:
+    return ((head or "") + (tail or "")) or None
