@@ -92,7 +92,7 @@ class StructuredOutputsParams:
         value = getattr(self, self.kind)
         if self.kind == "json":
             value = _json.loads(value) if isinstance(value, str) else value
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return _json.dumps(value, separators=(",", ":"))  # key order kept: it is the output's order
         if self.kind == "choice":
             return _json.dumps(value)
         return "" if self.kind == "json_object" else value

@@ -35,6 +35,7 @@ from kvtide.server.middleware import ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
+from kvtide.server.output_parsers import OutputParsers
 from kvtide.server.state import ServerSettings, ServerState, get_state
 from kvtide.server.ui.api_router import router as ui_router
 
@@ -85,6 +86,7 @@ def build_app(state: ServerState) -> Any:
         s = get_state(raw_request)
         with contextlib.suppress(Exception):  # a dead or busy engine: serve what we have
             s.metrics.update_from_engine(await s.engine.get_stats(timeout_s=2.0))
+        s.metrics.record_invalid_structured_outputs(s.engine.input_processor.num_invalid_structured_outputs)
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/internal/stats")
@@ -189,7 +191,9 @@ async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics,
                                              engine_timeout_s=settings.engine_timeout or None)
     try:
-        state = ServerState(engine=engine, settings=settings, metrics=metrics)
+        parsers = OutputParsers.create(engine.tokenizer, settings.tool_call_parser,
+                                       settings.enable_auto_tool_choice, settings.reasoning_parser)
+        state = ServerState(engine=engine, settings=settings, metrics=metrics, parsers=parsers)
         lifecycle = _Lifecycle(state, asyncio.get_running_loop())
         engine.client.add_dead_listener(lifecycle.on_engine_dead)
         config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",

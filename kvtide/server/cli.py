@@ -18,8 +18,11 @@ import sys
 from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.engine_args import EngineArgs
+from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
+from kvtide.server.output_parsers import check_flags
 from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
+from kvtide.tool_parsers import TOOL_PARSERS
 
 
 def register(subparsers) -> None:
@@ -53,6 +56,15 @@ def register(subparsers) -> None:
     p.add_argument("--no-ui", dest="enable_ui", action="store_false",
                    help="do not serve the chat page at GET / (then 404 like any unknown route); the page "
                         "loads without --api-key's key and asks for it before calling the API")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools): the model decides '
+                        "whether to call, and --tool-call-parser finds the calls in its text")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format, for tool_choice \"auto\" (named and \"required\" "
+                        "choices need no parser: the output is constrained to the calls' JSON)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="the model's reasoning format: chat responses carry the <think> section as "
+                        "reasoning_content, and structured output constrains only the answer after it")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -77,13 +89,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.engine_timeout < 0:
         raise ValueError("--engine-timeout must be >= 0 (0 disables the watchdog)")
+    check_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     _check_port_free(args.host, args.port)
     settings = ServerSettings(served_model_names=args.served_model_name or [model],
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
                               chat_template=read_chat_template(args.chat_template),
                               max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
                               engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
-                              enable_ui=args.enable_ui)
+                              enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.enable_admin_api and settings.api_key is None:

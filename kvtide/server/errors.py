@@ -35,7 +35,7 @@ _PARAM_NAMES = {
     "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop",
     "stop_token_ids", "logit_bias", "prompt", "prompt_token_ids", "messages", "top_logprobs",
-    "use_beam_search", "beam_width", "length_penalty", "early_stopping", "cache_salt",
+    "use_beam_search", "beam_width", "length_penalty", "early_stopping", "cache_salt", "structured_outputs",
 }
 
 
@@ -71,7 +71,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def from_value_error(error: ValueError, param: str | None = None) -> OpenAIError:
     message = str(error)
     if param is None:
-        first = message.split(" ", 1)[0].rstrip(":")
+        first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
         param = first if first in _PARAM_NAMES else None
     code = "context_length_exceeded" if "max_model_len" in message else None
     return OpenAIError(message, 400, param, code)

@@ -14,6 +14,7 @@ from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
 from kvtide.server.metrics import ServerMetrics
+from kvtide.server.output_parsers import OutputParsers
 
 
 @dataclass
@@ -35,6 +36,12 @@ class ServerSettings:
     """Serve the admin routes (POST /reset_prefix_cache); off, they are 404. --api-key still applies."""
     enable_ui: bool = True
     """Serve the chat page at GET / (open without the API key: it holds no secret); off, / is 404."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice "auto" (needs tool_call_parser)."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format (kvtide.tool_parsers), for tool_choice "auto"."""
+    reasoning_parser: str | None = None
+    """The model's reasoning convention (kvtide.reasoning): responses get reasoning_content."""
 
 
 @dataclass
@@ -42,6 +49,7 @@ class ServerState:
     engine: AsyncLLM
     settings: ServerSettings
     metrics: ServerMetrics
+    parsers: OutputParsers = field(default_factory=OutputParsers)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     """SIGTERM received: new requests get 503, those in flight finish."""

@@ -16,7 +16,9 @@ def build_grammar(params: StructuredOutputsParams):
     try:
         if kind == "json":
             # strict mode: objects take no properties the schema does not name (unless it allows them)
-            schema = _bounded_strings_as_patterns(json.loads(params.spec()))
+            # the schema as given (its key order is the output's order), not the sorted cache key
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            schema = _bounded_strings_as_patterns(schema)
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
                                                 strict_mode=True)
         if kind == "json_object":  # any object (xgrammar's builtin JSON grammar admits any value)

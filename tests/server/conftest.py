@@ -21,6 +21,9 @@ SERVER_FLAGS = {
     "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120",
                      "--async-scheduling"],
     "small_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "1", "--max-waiting-requests", "1"],
+    # Tool calling and reasoning output (tests/server/test_tool_calling.py, test_reasoning_api.py).
+    "tools_server": ["--max-num-seqs", "16", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--reasoning-parser", "deepseek_r1"],
 }
 
 
@@ -59,6 +62,18 @@ def drain_server(_server_processes):
 @pytest.fixture(scope="session")
 def small_server(_server_processes):
     return wait_ready(_server_processes["small_server"])
+
+
+@pytest.fixture(scope="session")
+def tools_server(_server_processes):
+    return wait_ready(_server_processes["tools_server"])
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_server):
+    import openai
+
+    return openai.OpenAI(base_url=tools_server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120.0)
 
 
 @pytest.fixture(scope="session")

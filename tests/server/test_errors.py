@@ -76,7 +76,7 @@ JSON_CASES = [
     ("chat logprobs int", CHAT, chat(logprobs=3), 400, "logprobs", None),
     ("chat max_completion_tokens", CHAT, chat(max_completion_tokens=-1), 400, "max_completion_tokens", None),
     ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
-    ("chat response_format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    ("chat response_format", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
     ("chat bad template", CHAT, chat(chat_template="{% for %}"), 400, "messages", None),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt", None),
     ("detokenize strings", "/detokenize", {"tokens": ["a"]}, 400, "tokens", None),

@@ -161,3 +161,10 @@ def _parse_arithmetic(text: str) -> None:
 def test_ebnf_outputs_parse_with_the_grammar(llm):
     for output in sample(llm, StructuredOutputsParams(grammar=ARITHMETIC)):
         _parse_arithmetic(output.text)
+
+
+def test_properties_come_in_the_schema_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}},
+              "required": ["zeta", "alpha"]}
+    for output in sample(llm, StructuredOutputsParams(json=schema, disable_any_whitespace=True), num=2):
+        assert output.text == '{"zeta": 1, "alpha": 2}'

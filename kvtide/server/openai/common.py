@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtide.outputs import Logprob
-from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from kvtide.server.errors import OpenAIError, from_engine_error
 from kvtide.server.limits import (
     MAX_LOGIT_BIAS,
@@ -140,7 +140,8 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
-def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     _check_list_limits(request)
     logit_bias = None
     if request.logit_bias is not None:
@@ -168,7 +169,8 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
-            cache_salt=request.cache_salt, speculation=request.speculation)
+            cache_salt=request.cache_salt, speculation=request.speculation,
+            structured_outputs=structured_outputs)
     except ValueError as e:
         raise from_engine_error(e) from e
 

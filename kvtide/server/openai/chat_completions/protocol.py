@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from kvtide.server.limits import MAX_TOP_LOGPROBS
 from kvtide.server.openai.common import OpenAIBaseModel, SamplingRequest, UsageInfo
+from kvtide.server.openai.structured import StructuredOutputFields
 
 
 class ContentPart(OpenAIBaseModel):
@@ -15,17 +16,52 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class MessageToolCall(OpenAIBaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant turn's calls (given back to the template with the conversation)."""
+    tool_call_id: str | None = None
+    """A "tool" turn: the call this is the result of."""
+    reasoning_content: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of an object; none means no arguments."""
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
     type: str
+    function: FunctionDefinition
 
 
-class ChatCompletionRequest(SamplingRequest):
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: str
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingRequest, StructuredOutputFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     """OpenAI's newer name for max_tokens; wins when both are given."""
@@ -38,10 +74,13 @@ class ChatCompletionRequest(SamplingRequest):
     """A Jinja template for this request only."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the template."""
-    response_format: ResponseFormat | None = None
-    """Only {"type": "text"} is supported."""
-    tools: list[Any] | None = None
-    """Not supported (refused with 400 when non-empty)."""
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" when tools are given (vLLM's rule), else "none"."""
+    parallel_tool_calls: bool = True
+    """False: at most one call per answer."""
+    include_reasoning: bool = True
+    """With --reasoning-parser: false drops reasoning_content from the response."""
 
 
 class ChatLogprob(OpenAIBaseModel):
@@ -61,6 +100,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[MessageToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):

@@ -6,6 +6,8 @@ tokenized exactly once with add_special_tokens=False, so the prompt never starts
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtide.outputs import CompletionOutput, RequestOutput
+from kvtide.sampling_params import StructuredOutputsParams
 from kvtide.server.errors import OpenAIError, from_engine_error, from_value_error
+from kvtide.server.openai.chat_completions.assembly import ChoiceAssembler, assemble_message
 from kvtide.server.openai.chat_completions.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -26,7 +30,9 @@ from kvtide.server.openai.chat_completions.protocol import (
     ChatLogprobEntry,
     ChatMessage,
     ChatResponseMessage,
+    MessageToolCall,
 )
+from kvtide.server.openai.chat_completions.tools import ToolPlan, plan_tools
 from kvtide.server.openai.common import (
     SSE_DONE,
     ClientDisconnected,
@@ -41,6 +47,8 @@ from kvtide.server.openai.common import (
     top_entries,
     until_disconnected,
 )
+from kvtide.server.openai.structured import constraint_error, make_structured_outputs, structured_outputs_of
+from kvtide.server.output_parsers import SPECIAL_MARKER_TOOL_PARSERS
 from kvtide.server.state import ServerState
 
 
@@ -54,25 +62,35 @@ class _Choice:
 
 
 def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template: str | None = None,
-                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                       chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Messages -> prompt token ids (rendered with the template, tokenized once, no added BOS)."""
+    text = render_chat_text(state, messages, add_generation_prompt, chat_template, template_kwargs, tools)
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                     chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> str:
+    """Messages (and the tools, for templates that describe them) -> the prompt text."""
     tokenizer = state.tokenizer
     template = chat_template or state.settings.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise OpenAIError("this model has no chat template; start the server with --chat-template", 400,
                           param="messages")
     conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+    kwargs = dict(template_kwargs or {})
+    kwargs.pop("tools", None)
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
+                                             add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                             **kwargs)
     except Exception as e:  # jinja2 errors, a template's raise_exception(...)
         raise OpenAIError(f"cannot render the messages with the chat template: {e}", 400,
                           param="messages") from e
     if not isinstance(text, str) or not text:
         raise OpenAIError("the chat template rendered an empty prompt", 400, param="messages")
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
@@ -88,7 +106,43 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls is not None:
+        result["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        result["reasoning_content"] = message.reasoning_content
     return result
+
+
+def _template_tool_call(call: MessageToolCall) -> dict[str, Any]:
+    """A call as chat templates read it: arguments decoded to an object (Hugging Face's
+    convention, which templates' `arguments | tojson` expects), kept as text if not JSON."""
+    arguments: Any = call.function.arguments
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        decoded = None
+    if isinstance(decoded, dict):
+        arguments = decoded
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class _ChoiceOutputs:
+    """Each choice's own assembler (reasoning and tool-call parsing state), made on first use."""
+
+    def __init__(self, plan: ToolPlan, tool_parser: Any, reasoning_parser: Any, include_reasoning: bool) -> None:
+        self._plan = plan
+        self._tool_parser = tool_parser
+        self._reasoning_parser = reasoning_parser
+        self._include_reasoning = include_reasoning
+        self._assemblers: dict[int, ChoiceAssembler] = {}
+
+    def assembler(self, index: int) -> ChoiceAssembler:
+        if index not in self._assemblers:
+            self._assemblers[index] = ChoiceAssembler(self._reasoning_parser, self._plan.stream(self._tool_parser),
+                                                      self._include_reasoning)
+        return self._assemblers[index]
 
 
 class ChatServing:
@@ -99,45 +153,82 @@ class ChatServing:
         state = self.state
         model = state.check_model(request.model)
         self._check_supported(request)
-        prompt_ids = render_chat_prompt(state, request.messages, request.add_generation_prompt,
-                                        request.chat_template, request.chat_template_kwargs)
+        plan = plan_tools(request, state.parsers.auto_tool_choice)
+        prompt_text = render_chat_text(state, request.messages, request.add_generation_prompt,
+                                       request.chat_template, request.chat_template_kwargs, plan.tools)
         try:
-            prompt_ids = state.engine.process_prompt({"prompt_token_ids": prompt_ids}).prompt_token_ids
+            prompt_ids = state.engine.process_prompt(
+                {"prompt_token_ids": state.tokenizer.encode(prompt_text, add_special_tokens=False)}).prompt_token_ids
         except ValueError as e:
             raise from_value_error(e, param="messages") from e
         requested = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = build_sampling_params(request, max_tokens, top_logprobs)
+        reasoning = self._reasoning_parser(prompt_text)
+        structured, source = self._constraint(request, plan, reasoning is not None)
+        params = build_sampling_params(request, max_tokens, top_logprobs, structured)
+        if params.skip_special_tokens and self._needs_special_tokens(plan, reasoning is not None):
+            params = params.clone(skip_special_tokens=False)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = merge_streams([state.engine.generate({"prompt_token_ids": prompt_ids}, params, response_id,
                                                       request.priority)])
-        if request.stream:
+        outputs = _ChoiceOutputs(plan, state.parsers.tool_parser, reasoning, request.include_reasoning)
+        try:
+            if request.stream:
+                try:
+                    # Until the first output, a client that leaves is noticed here (then by Starlette).
+                    _, rest = await until_disconnected(raw_request, first_and_rest(stream))
+                except ClientDisconnected:
+                    return Response(status_code=499)
+                return StreamingResponse(self._stream(rest, request, response_id, model, len(prompt_ids), outputs),
+                                         media_type="text/event-stream")
             try:
-                # Until the first output, a client that leaves is noticed here (then by Starlette).
-                _, rest = await until_disconnected(raw_request, first_and_rest(stream))
+                body = await until_disconnected(raw_request, self._collect(stream, request, response_id, model,
+                                                                           len(prompt_ids), outputs))
             except ClientDisconnected:
                 return Response(status_code=499)
-            return StreamingResponse(self._stream(rest, request, response_id, model, len(prompt_ids)),
-                                     media_type="text/event-stream")
-        try:
-            body = await until_disconnected(raw_request,
-                                            self._collect(stream, request, response_id, model, len(prompt_ids)))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        except ValueError as e:
+            raise constraint_error(e, source) from e
         return JSONResponse(body)
+
+    def _reasoning_parser(self, prompt_text: str) -> Any | None:
+        """The server's reasoning parser, unless the prompt already closed the reasoning section
+        (e.g. Qwen3 with thinking off): then the whole output is the answer."""
+        parser = self.state.parsers.reasoning_parser
+        if parser is None:
+            return None
+        end = prompt_text.rfind(parser.end_tag)
+        return None if end >= 0 and end > prompt_text.rfind(parser.start_tag) else parser
+
+    def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,
+                    reasoning: bool) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint (from the request's fields or its tool_choice) and where it came
+        from; with a reasoning parser it applies only after the reasoning section ends."""
+        structured, source = structured_outputs_of(request)
+        schema = plan.constraint()
+        if schema is not None:
+            if source is not None:
+                choice = "a named" if plan.mode == "named" else '"required"'
+                raise OpenAIError(f"{source} cannot be combined with {choice} tool_choice, which already "
+                                  f"constrains the output to the tool calls", 400, param=source)
+            structured, source = make_structured_outputs({"json": json.dumps(schema)}, "tools"), "tools"
+        if structured is not None and reasoning:
+            structured = dataclasses.replace(
+                structured, reasoning_end_token_ids=self.state.parsers.reasoning_end_token_ids)
+        return structured, source
+
+    def _needs_special_tokens(self, plan: ToolPlan, reasoning: bool) -> bool:
+        """Keep special tokens in the text when the parser's markers are special tokens."""
+        parsers = self.state.parsers
+        return (plan.mode == "auto" and parsers.tool_parser_name in SPECIAL_MARKER_TOOL_PARSERS) or \
+            (reasoning and parsers.reasoning_tags_special)
 
     @staticmethod
     def _check_supported(request: ChatCompletionRequest) -> None:
         request.check_stream_options()
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
-        if request.tools:
-            raise OpenAIError("tools are not supported", 400, param="tools")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise OpenAIError(f"response_format {request.response_format.type!r} is not supported; only 'text'",
-                              400, param="response_format")
 
     def _logprobs(self, completion: CompletionOutput, k: int) -> list[ChatLogprobEntry]:
         token_text = self.state.token_text
@@ -154,7 +245,8 @@ class ChatServing:
 
     # ---- non-streamed ----------------------------------------------------------------------
     async def _collect(self, stream: AsyncIterator[tuple[int, RequestOutput]], request: ChatCompletionRequest,
-                       response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
+                       response_id: str, model: str, num_prompt_tokens: int,
+                       outputs: _ChoiceOutputs) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
         cached_tokens = 0
         async for _, output in stream:
@@ -167,18 +259,23 @@ class ChatServing:
                     choice.logprobs = (choice.logprobs or []) + self._logprobs(completion, request.top_logprobs or 0)
                 if completion.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-        response = ChatCompletionResponse(
-            id=response_id, created=int(time.time()), model=model,
-            choices=[ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content="".join(c.text)),
+        response_choices = []
+        for i, c in sorted(choices.items()):
+            assembler = outputs.assembler(i)
+            message = ChatResponseMessage(**assemble_message(assembler, "".join(c.text)))
+            response_choices.append(ChatCompletionChoice(
+                index=i, message=message,
                 logprobs=ChatChoiceLogprobs(content=c.logprobs) if request.logprobs else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in sorted(choices.items())],
+                finish_reason=assembler.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+        response = ChatCompletionResponse(
+            id=response_id, created=int(time.time()), model=model, choices=response_choices,
             usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()), cached_tokens))
         return response.model_dump()
 
     # ---- streamed --------------------------------------------------------------------------
     async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], request: ChatCompletionRequest,
-                      response_id: str, model: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                      response_id: str, model: str, num_prompt_tokens: int,
+                      choice_outputs: _ChoiceOutputs) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.include_usage_in_stream()
 
@@ -204,11 +301,17 @@ class ChatServing:
                     if request.logprobs:
                         entries = self._logprobs(completion, request.top_logprobs or 0)
                         logprobs = {"content": [e.model_dump() for e in entries]}
-                    delta = {"content": completion.text} if completion.text else {}
-                    choices.append({"index": completion.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason,
+                    assembler = choice_outputs.assembler(completion.index)
+                    delta = assembler.feed(completion.text)
+                    if completion.finish_reason is not None:
+                        delta.add(assembler.finish())
+                    elif not delta.wire() and completion.text and logprobs is None:
+                        continue  # text a parser holds back (a possible tag): nothing to send yet
+                    choices.append({"index": completion.index, "delta": delta.wire(), "logprobs": logprobs,
+                                    "finish_reason": assembler.finish_reason(completion.finish_reason),
                                     "stop_reason": completion.stop_reason})
-                yield chunk(choices)
+                if choices:
+                    yield chunk(choices)
             if include_usage:
                 yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [], "usage": UsageInfo.of(num_prompt_tokens, num_completion_tokens,

@@ -8,11 +8,12 @@ from pydantic import Field
 
 from kvtide.server.limits import MAX_BEST_OF, MAX_N, MAX_TOP_LOGPROBS
 from kvtide.server.openai.common import NonNegInt, OpenAIBaseModel, SamplingRequest, UsageInfo
+from kvtide.server.openai.structured import StructuredOutputFields
 
 PromptField = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredOutputFields):
     prompt: PromptField
     """A string, a list of strings, token ids, or a list of token-id lists (one completion set each)."""
     suffix: str | None = None

@@ -39,6 +39,7 @@ from kvtide.server.openai.completions.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from kvtide.server.openai.structured import constraint_error, structured_outputs_of
 from kvtide.server.state import ServerState
 
 
@@ -66,9 +67,10 @@ class CompletionServing:
                 prompt_ids.append(state.engine.process_prompt(prompt, request.add_special_tokens).prompt_token_ids)
             except ValueError as e:
                 raise from_value_error(e, param="prompt") from e
+        structured, source = structured_outputs_of(request)
         params = [build_sampling_params(
             request, resolve_max_tokens(request.max_tokens, len(ids), state.max_model_len, "prompt"),
-            request.logprobs) for ids in prompt_ids]
+            request.logprobs, structured) for ids in prompt_ids]
         if request.use_beam_search:
             params = [_beam_search_params(request, p) for p in params]
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -76,19 +78,22 @@ class CompletionServing:
                    for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=False))]
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         merged = merge_streams(streams)
-        if request.stream:
+        try:
+            if request.stream:
+                try:
+                    # Until the first output, a client that leaves is noticed here (then by Starlette).
+                    _, rest = await until_disconnected(raw_request, first_and_rest(merged))
+                except ClientDisconnected:
+                    return Response(status_code=499)
+                return StreamingResponse(self._stream(rest, request, response_id, model, num_prompt_tokens),
+                                         media_type="text/event-stream")
             try:
-                # Until the first output, a client that leaves is noticed here (then by Starlette).
-                _, rest = await until_disconnected(raw_request, first_and_rest(merged))
+                body = await until_disconnected(
+                    raw_request, self._collect(merged, request, response_id, model, num_prompt_tokens))
             except ClientDisconnected:
                 return Response(status_code=499)
-            return StreamingResponse(self._stream(rest, request, response_id, model, num_prompt_tokens),
-                                     media_type="text/event-stream")
-        try:
-            body = await until_disconnected(
-                raw_request, self._collect(merged, request, response_id, model, num_prompt_tokens))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        except ValueError as e:
+            raise constraint_error(e, source) from e
         return JSONResponse(body)
 
     @staticmethod
