@@ -170,3 +170,35 @@ def test_constraint_with_beam_search_is_400(server):
 def test_bad_constraint_streamed_is_400_before_the_stream(server, path):
     with server.client() as client:
         check_error(client.post(path, json=_body(path, guided_regex="[0-9", stream=True)), 400, "guided_regex")
+
+
+def _structured_counters(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvtide:structured_output_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def test_structured_output_metrics(server):
+    """Constrained requests, cache hits, compile times, jump-forward tokens and refused
+    constraints, counted on /metrics."""
+    schema = {"type": "object", "properties": {"answer_code": {"enum": ["alpha", "beta"]}},
+              "required": ["answer_code"]}
+    with server.client() as client:
+        before = _structured_counters(client.get("/metrics").text)
+        for _ in range(2):  # the second finds the grammar compiled
+            response = client.post(CMPL, json=_body(CMPL, structured_outputs={"json": schema}, temperature=0.0))
+            assert response.status_code == 200
+        check_error(client.post(CMPL, json=_body(CMPL, guided_regex="(")), 400, "guided_regex")
+        after = _structured_counters(client.get("/metrics").text)
+
+    def gained(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert gained("kvtide:structured_output_requests_total") == 2
+    assert gained("kvtide:structured_output_grammar_cache_hits_total") >= 1
+    assert gained("kvtide:structured_output_grammar_compile_seconds_count") >= 1
+    assert gained("kvtide:structured_output_jump_forward_tokens_total") > 0  # '{"answer_code": "' is forced
+    assert gained("kvtide:structured_output_invalid_requests_total") == 1
