@@ -40,12 +40,17 @@ class PayloadOptions:
         return out
 
 
-def build_payload(model: str, prompt: str | list[int], max_tokens: int, options: PayloadOptions) -> dict:
+def build_payload(model: str, prompt: str | list[int], max_tokens: int, options: PayloadOptions,
+                  structured_outputs: dict | None = None) -> dict:
+    """A streamed completion request. A constrained one (structured_outputs, vLLM's object) sends
+    max_tokens only: ignore_eos or min_tokens would hold it past the end its grammar reaches."""
     payload: dict = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                      "temperature": options.temperature, "stream": True}
-    if options.ignore_eos:
+    if structured_outputs is not None:
+        payload["structured_outputs"] = structured_outputs
+    elif options.ignore_eos:
         payload["ignore_eos"] = True
-    if options.min_tokens:
+    if options.min_tokens and structured_outputs is None:
         payload["min_tokens"] = max_tokens
     if options.include_usage:
         payload["stream_options"] = {"include_usage": True}

@@ -1,4 +1,5 @@
-"""Benchmark workloads: random, shared-prefix, multi-turn conversations, and prompt files.
+"""Benchmark workloads: random, shared-prefix, multi-turn conversations, prompt files, and prompts
+paired with JSON schemas (json-schema, kvtide.bench.json_schemas).
 
 Every dataset is a list of `Conversation`s; a plain request is a conversation of one turn. Turn k of a
 conversation is sent after turn k-1 has finished, with the history (earlier user turns and the replies
@@ -8,6 +9,13 @@ Prompts are text made of vocabulary tokens that round-trip through the tokenizer
 tokens is N tokens for the server too (±1 at seams where tokens merge; the server's own count,
 usage.prompt_tokens, is what the report uses when the server gives it). Everything is drawn from one
 numpy Generator seeded with --seed: the same flags give the same prompts.
+
+Structured output: a job may be paired with a constraint (vLLM's `structured_outputs` object, e.g.
+{"json": SCHEMA}); --structured-output-ratio then picks, by --seed and after the prompts are drawn,
+which of those jobs send it, so ratio 0 and ratio 1 send the same prompts:
+
+    kvtide bench serve ... --dataset-name json-schema --structured-output-ratio 0    # unconstrained
+    kvtide bench serve ... --dataset-name jsonl --dataset-path items.jsonl           # {"prompt", "schema"}
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt", "grounded")
+from kvtide.bench.json_schemas import DEFAULT_OUTPUT_LEN as JSON_SCHEMA_OUTPUT_LEN
+from kvtide.bench.json_schemas import json_schema_jobs
+
+DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt", "grounded", "json-schema")
 
 
 @dataclass
@@ -31,6 +42,10 @@ class Conversation:
     """Tokens of each user turn alone (the first turn's is the whole first prompt)."""
     prompt_token_ids: list[int] | None = None
     """Single-turn token-id prompt, for engines that take ids (offline benchmarks)."""
+    structured_outputs: dict | None = None
+    """The constraint the dataset pairs with this job (vLLM's structured_outputs object)."""
+    constrained: bool = False
+    """Whether its requests send that constraint (--structured-output-ratio picks)."""
 
     @property
     def num_turns(self) -> int:
@@ -228,7 +243,46 @@ def _job_from_item(item, maker: PromptMaker, output_len: int | None, multi_turn:
     if not isinstance(prompt, str) or not prompt:
         return None
     out = output_len or int(item.get("output_len") or item.get("max_tokens") or default_out)
-    return Conversation([prompt], [out], [maker.count(prompt)])
+    return Conversation([prompt], [out], [maker.count(prompt)], structured_outputs=_item_constraint(item))
+
+
+def _item_constraint(item: dict) -> dict | None:
+    """A file item's constraint: "schema" (a JSON schema, or its text) or "structured_outputs"."""
+    if item.get("structured_outputs") is not None:
+        constraint = item["structured_outputs"]
+        if not isinstance(constraint, dict) or not constraint:
+            raise ValueError(f"a prompt item's structured_outputs must be an object, got {constraint!r}")
+        return dict(constraint)
+    schema = item.get("schema")
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"a prompt item's schema is not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"a prompt item's schema must be a JSON object, got {schema!r}")
+    return {"json": schema}
+
+
+def select_constrained(jobs: list[Conversation], ratio: float, seed: int) -> list[Conversation]:
+    """Mark round(ratio * n) of the n jobs that have a constraint as sending it, chosen by seed from a
+    generator of their own (the prompts do not depend on the ratio)."""
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
+    candidates = [i for i, job in enumerate(jobs) if job.structured_outputs is not None]
+    chosen = np.random.default_rng([seed, 2]).permutation(len(candidates))[:round(ratio * len(candidates))]
+    picked = {candidates[i] for i in chosen.tolist()}
+    for i, job in enumerate(jobs):
+        job.constrained = i in picked
+    return jobs
+
+
+def json_schema_dataset(maker: PromptMaker, num_prompts: int, output_len: int, seed: int,
+                        any_whitespace: bool = False) -> list[Conversation]:
+    return [Conversation([prompt], [output_len], [maker.count(prompt)], structured_outputs=constraint)
+            for prompt, constraint in json_schema_jobs(num_prompts, seed, any_whitespace)]
 
 
 def load_tokenizer_for_bench(tokenizer: str | None, model: str | None):
@@ -256,13 +310,24 @@ def load_tokenizer_for_bench(tokenizer: str | None, model: str | None):
 
 
 def build_dataset(args, tokenizer) -> list[Conversation]:
-    """The dataset the flags name (`kvtide bench serve --help` lists them)."""
+    """The dataset the flags name (`kvtide bench serve --help` lists them), its constrained jobs
+    picked by --structured-output-ratio."""
+    jobs = _build_jobs(args, tokenizer)
+    return select_constrained(jobs, getattr(args, "structured_output_ratio", 1.0), args.seed)
+
+
+def _build_jobs(args, tokenizer) -> list[Conversation]:
     maker = PromptMaker(tokenizer, np.random.default_rng(args.seed))
     input_len = args.input_len if args.input_len is not None else args.random_input_len
-    output_len = args.output_len if args.output_len is not None else args.random_output_len
     name = args.dataset_name
+    output_len = args.output_len if args.output_len is not None else args.random_output_len
+    if output_len is None:
+        output_len = JSON_SCHEMA_OUTPUT_LEN if name == "json-schema" else 128
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if name == "json-schema":
+        return json_schema_dataset(maker, args.num_prompts, output_len, args.seed,
+                                   getattr(args, "structured_output_any_whitespace", False))
     if name == "random":
         return random_dataset(maker, args.num_prompts, input_len, output_len, args.random_range_ratio)
     if name == "shared-prefix":
@@ -339,7 +404,8 @@ def add_dataset_args(parser) -> None:
     g.add_argument("--output-len", type=int, default=None,
                    help="same as --random-output-len; for files, overrides their lengths")
     g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-output-len", type=int, default=None,
+                   help="max_tokens per request (default: 128; json-schema: 256)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
@@ -347,3 +413,9 @@ def add_dataset_args(parser) -> None:
     g.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: unique tokens per request")
     g.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
     g.add_argument("--tokenizer", default=None, help="tokenizer to size prompts (default: --model's)")
+    g.add_argument("--structured-output-ratio", type=float, default=1.0,
+                   help="fraction of the jobs with a constraint (json-schema; jsonl items with \"schema\" or "
+                        "\"structured_outputs\") that send it; 0 sends the same prompts unconstrained")
+    g.add_argument("--structured-output-any-whitespace", action="store_true",
+                   help="json-schema: let the grammar admit any whitespace between JSON tokens (by default "
+                        "the output is compact: a random model wanders in free whitespace until max_tokens)")

@@ -50,6 +50,8 @@ class RequestRecord:
     finish_reason: str | None = None
     conversation_id: int | None = None
     turn: int | None = None
+    structured_outputs: dict | None = None
+    """The constraint the request sent (vLLM's structured_outputs object); None: unconstrained."""
 
     @property
     def ttft(self) -> float | None:
@@ -159,7 +161,8 @@ def compute_serving_metrics(records: list[RequestRecord], duration_s: float,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         # Successful requests that ended before max_tokens: a server that ignored ignore_eos shows here.
-        "num_short_outputs": sum(r.output_len < r.expected_output_len for r in ok),
+        # Constrained ones end where their grammar does and are left out.
+        "num_short_outputs": sum(r.output_len < r.expected_output_len for r in ok if r.structured_outputs is None),
     }
     series = {
         "ttft": [r.ttft for r in ok if r.ttft is not None],
@@ -265,6 +268,12 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
                 spec["theoretical_tokens_per_step"], "{:.3f}")
             for position, rate in enumerate(spec["acceptance_rate_per_pos"]):
                 row(f"Acceptance at position {position} (%):", 100 * rate)
+    if result.get("structured_output"):
+        from kvtide.bench.structured_figures import report_rows
+
+        lines.append(f"{'Structured Output':-^60}")
+        for label, value, fmt in report_rows(result["structured_output"]):
+            row(label, value, fmt)
     if result.get("errors"):
         lines.append(f"{'Errors':-^60}")
         for kind, count in sorted(result["errors"].items()):

@@ -12,6 +12,20 @@ How a run goes:
      --burstiness (1 = Poisson; inf rate = all at once), at most --max-concurrency in flight; the
      turns of a conversation go one after another, each with the history so far;
   5. scrape /metrics again, compute the metrics (kvtide.bench.metrics), print, write JSON and plots.
+
+Structured output: with a dataset that pairs prompts with constraints (--dataset-name json-schema, or
+a JSONL file whose items carry "schema" or "structured_outputs"), the jobs that
+--structured-output-ratio picks send theirs as vLLM's `structured_outputs` (and no ignore_eos or
+min_tokens); the warm-up checks the server accepts one; the report gains a "Structured Output"
+section (kvtide.bench.structured_figures): validity of the completions, grammars compiled, cache
+hits, compile time, jump-forward tokens and output tokens per forward pass. With and without
+constraints on the same prompts is two runs:
+
+    kvtide bench serve --base-url URL --dataset-name json-schema --num-prompts 64 --max-concurrency 32
+    kvtide bench serve --base-url URL --dataset-name json-schema --num-prompts 64 --max-concurrency 32 \\
+        --structured-output-ratio 0
+
+scripts/bench_structured_output.py runs both, and jump-forward off, against servers it starts.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from kvtide.bench.metrics import (
     parse_goodput,
     parse_percentiles,
 )
+from kvtide.bench.structured_figures import structured_output_summary
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -105,10 +120,11 @@ class ServeRun:
         self.bar = None
 
     async def one_request(self, prompt: str | list[int], prompt_len: int, max_tokens: int,
-                          conversation_id: int | None = None, turn: int | None = None) -> RequestRecord:
+                          conversation_id: int | None = None, turn: int | None = None,
+                          structured_outputs: dict | None = None) -> RequestRecord:
         record = RequestRecord(prompt_len=prompt_len, expected_output_len=max_tokens,
-                               conversation_id=conversation_id, turn=turn)
-        payload = oai.build_payload(self.model, prompt, max_tokens, self.options)
+                               conversation_id=conversation_id, turn=turn, structured_outputs=structured_outputs)
+        payload = oai.build_payload(self.model, prompt, max_tokens, self.options, structured_outputs)
         if self.semaphore is None:
             await oai.send_completion(self.http, self.url, payload, record)
         else:
@@ -127,7 +143,8 @@ class ServeRun:
                 len(tokenizer.encode(prompt, add_special_tokens=False))
             multi = job.num_turns > 1
             record = await self.one_request(prompt, prompt_len, max_tokens,
-                                            conversation_id if multi else None, turn if multi else None)
+                                            conversation_id if multi else None, turn if multi else None,
+                                            job.structured_outputs if job.constrained else None)
             if not record.success:
                 if self.bar is not None:  # the rest of the conversation is not sent
                     self.bar.update(job.num_turns - turn - 1)
@@ -147,9 +164,15 @@ class ServeRun:
                 pass
 
 
-async def warm_up(args, http: httpx.AsyncClient, model: str, tokenizer, maker_text: str
-                  ) -> oai.PayloadOptions:
-    """Send --num-warmups (at least one) requests; return the payload options the server accepted."""
+WARM_UP_CONSTRAINT = {"choice": ["yes", "no"]}
+"""What the warm-up sends to check a server takes structured_outputs: a grammar none of the
+datasets' requests share, so their compilations all fall in the measured part."""
+
+
+async def warm_up(args, http: httpx.AsyncClient, model: str, tokenizer, maker_text: str,
+                  constrained: bool = False) -> oai.PayloadOptions:
+    """Send --num-warmups (at least one) requests, and one constrained request when `constrained`;
+    return the payload options the server accepted."""
     url = args.base_url.rstrip("/") + args.endpoint
     wanted = oai.PayloadOptions(ignore_eos=args.ignore_eos, temperature=args.temperature,
                                 min_tokens=getattr(args, "send_min_tokens", False))
@@ -161,6 +184,12 @@ async def warm_up(args, http: httpx.AsyncClient, model: str, tokenizer, maker_te
             for _ in range(args.num_warmups - 1):
                 await oai.send_completion(http, url, oai.build_payload(model, maker_text, 8, options),
                                           RequestRecord(prompt_len=0, expected_output_len=8))
+            if constrained:
+                record = RequestRecord(prompt_len=0, expected_output_len=8)
+                payload = oai.build_payload(model, maker_text, 8, options, WARM_UP_CONSTRAINT)
+                await oai.send_completion(http, url, payload, record)
+                if not record.success:
+                    raise ValueError(f"warm-up request with structured_outputs to {url} failed: {record.error}")
             return options
         last_error = record.error
         if not last_error.startswith(("http 400", "http 422")):
@@ -186,7 +215,7 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
 
         warm_text = PromptMaker(tokenizer, np.random.default_rng(args.seed + 1)).text(
             min(64, max(1, jobs[0].prompt_lens[0] if jobs[0].prompt_lens else 16)))[0]
-        options = await warm_up(args, http, model, tokenizer, warm_text)
+        options = await warm_up(args, http, model, tokenizer, warm_text, any(j.constrained for j in jobs))
         before = await oai.scrape_metrics(http, base_url)
         run = ServeRun(args, http, model, options)
         total_requests = sum(j.num_turns for j in jobs)
@@ -215,6 +244,9 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
     duration = (max(r.end_time for r in run.records) if run.records else t_end) - t0
     result = compute_serving_metrics(run.records, duration, percentiles, slos)
     result.update(oai.server_counter_deltas(before, after))
+    if any(job.structured_outputs is not None for job in jobs):
+        result["structured_output_ratio"] = getattr(args, "structured_output_ratio", 1.0)
+        result["structured_output"] = structured_output_summary(run.records, before, after)
     result.update({
         "date": datetime.now().isoformat(timespec="seconds"), "base_url": base_url, "model": model,
         "endpoint": args.endpoint, "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,

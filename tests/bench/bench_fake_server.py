@@ -6,6 +6,11 @@ Request k (counted from 0, the warm-up included) behaves by k % 6 when `faulty`:
   anything else -> `max_tokens` one-character chunks, `token_delay_s` apart, usage, [DONE].
 /metrics exposes kvtide: counters: every successful request adds its prompt length to
 prefix_cache_queries and half of it to prefix_cache_hits; every 500 adds one preemption.
+
+`constrained_text(body) -> (text, finish_reason)`: the reply to a request with structured_outputs,
+streamed one character per chunk; such requests also count in the structured-output families of
+/metrics (one 5 ms compile per distinct constraint, the rest cache hits, every other character a
+jump-forward token).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ class DroppedStream(Exception):
 
 
 def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s: float = 0.002,
-             empty_chunks: bool = False) -> FastAPI:
+             empty_chunks: bool = False, constrained_text=None) -> FastAPI:
     """empty_chunks: every other token streams as an empty chunk, and a finish-only chunk ends."""
     app = FastAPI()
-    state = {"count": 0, "queries": 0, "hits": 0, "preemptions": 0, "running": 0, "bodies": []}
+    state = {"count": 0, "queries": 0, "hits": 0, "preemptions": 0, "running": 0, "bodies": [],
+             "generated": 0, "constrained": 0, "grammars": set(), "jump_forward": 0}
     app.state.fake = state
 
     @app.get("/v1/models")
@@ -48,6 +54,20 @@ def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s
             "# TYPE kvtide:num_requests_running gauge\n"
             f"kvtide:num_requests_running{{model_name=\"fake\"}} {state['running']}\n"
         )
+        if constrained_text is not None:
+            compiled = len(state["grammars"])
+            text += (
+                f"# TYPE kvtide:generation_tokens counter\nkvtide:generation_tokens_total {state['generated']}\n"
+                "# TYPE kvtide:structured_output_requests counter\n"
+                f"kvtide:structured_output_requests_total {state['constrained']}\n"
+                "# TYPE kvtide:structured_output_grammar_cache_hits counter\n"
+                f"kvtide:structured_output_grammar_cache_hits_total {state['constrained'] - compiled}\n"
+                "# TYPE kvtide:structured_output_grammar_compile_seconds summary\n"
+                f"kvtide:structured_output_grammar_compile_seconds_count {compiled}\n"
+                f"kvtide:structured_output_grammar_compile_seconds_sum {0.005 * compiled}\n"
+                "# TYPE kvtide:structured_output_jump_forward_tokens counter\n"
+                f"kvtide:structured_output_jump_forward_tokens_total {state['jump_forward']}\n"
+            )
         return PlainTextResponse(text)
 
     @app.post("/v1/completions")
@@ -66,6 +86,15 @@ def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s
         prompt_len = len(prompt) if isinstance(prompt, (str, list)) else 1
         n = int(body.get("max_tokens", 16))
         usage = (body.get("stream_options") or {}).get("include_usage")
+        if constrained_text is not None and body.get("structured_outputs") is not None:
+            state["constrained"] += 1
+            state["grammars"].add(json.dumps(body["structured_outputs"], sort_keys=True))
+            reply, finish = constrained_text(body)
+            state["generated"] += len(reply)
+            state["jump_forward"] += len(reply) // 2
+            return StreamingResponse(_stream_text(reply, finish, prompt_len, usage), media_type="text/event-stream")
+        if constrained_text is not None:
+            state["generated"] += n
 
         async def stream():
             state["running"] += 1
@@ -99,6 +128,16 @@ def make_app(faulty: bool = True, reject_ignore_eos: bool = False, token_delay_s
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
+
+
+async def _stream_text(text: str, finish_reason: str, prompt_len: int, usage: bool):
+    for i, char in enumerate(text):
+        finish = finish_reason if i == len(text) - 1 else None
+        yield "data: " + json.dumps({"choices": [{"index": 0, "text": char, "finish_reason": finish}]}) + "\n\n"
+    if usage:
+        yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": prompt_len,
+                                                                "completion_tokens": len(text)}}) + "\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def free_port() -> int:
