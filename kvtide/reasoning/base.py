@@ -12,39 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
+from kvtide.tool_parsers.scan import StrippedStream, partial_tag_len
+
 logger = logging.getLogger(__name__)
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (text to hold back)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class _Stripped:
-    """Streams text with leading (and, if asked, trailing) whitespace removed as str.strip() would;
-    trailing whitespace is held until more text follows it."""
-
-    def __init__(self, strip_trailing: bool) -> None:
-        self._strip_trailing = strip_trailing
-        self._started = False
-        self._held = ""
-
-    def push(self, text: str) -> str:
-        text = self._held + text
-        self._held = ""
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        if self._strip_trailing:
-            body = text.rstrip()
-            self._held = text[len(body) :]
-            return body
-        return text
 
 
 class StreamingReasoningParser:
@@ -59,8 +29,8 @@ class StreamingReasoningParser:
         self._buffer = ""
         self._state = "start"
         """start -> reasoning -> content_after_end; or start -> content (no reasoning at all)."""
-        self._reasoning = _Stripped(strip_trailing=True)
-        self._content_after_end = _Stripped(strip_trailing=False)
+        self._reasoning = StrippedStream(strip_trailing=True)
+        self._content_after_end = StrippedStream(strip_trailing=False)
         self._finished = False
 
     def feed(self, delta_text: str) -> tuple[str | None, str | None]:
@@ -102,7 +72,7 @@ class StreamingReasoningParser:
                 reasoning.append(self._reasoning.push(buffer[:end]))
                 self._buffer, self._state = buffer[end + len(self._end_tag) :], "content_after_end"
                 return True
-            keep = 0 if final else _partial_tag_len(buffer, self._end_tag)
+            keep = 0 if final else partial_tag_len(buffer, self._end_tag)
             reasoning.append(self._reasoning.push(buffer[: len(buffer) - keep]))
             self._buffer = buffer[len(buffer) - keep :]
             return False
