@@ -19,12 +19,17 @@ early-stopping rules), so the returned sequences and their order match:
 A next beam is a new engine-core request forked from its parent (KVCacheManager.fork: the blocks
 are shared by reference count, and the partial last block is copied only by a branch that writes
 into it); the old beams are freed right after, so a beam continued once costs no copy.
+
+With structured output each beam carries its own grammar matcher (a fork of its parent's, advanced
+by the token it continues with); the runner masks each beam's logits, so a token the grammar
+forbids has logprob -inf and is never a candidate.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +192,8 @@ class BeamSearch:
         for j, beam in enumerate(group.beams):
             top = group.reports[beam.request.request_id]
             for rank, (token, lp) in enumerate(zip(top.top_ids, top.top_logprobs, strict=True), start=1):
+                if lp == -math.inf:  # a token the beam's grammar forbids (structured output)
+                    continue
                 cand_beam.append(j)
                 cand_token.append(token)
                 cand_entry.append((lp, rank, top.top_ids, top.top_logprobs))
@@ -253,6 +260,9 @@ class BeamSearch:
             child.output_token_ids = list(parent.output_token_ids)
             child.all_token_ids = list(parent.all_token_ids)
             child.append_output_token(token)
+            if parent.grammar is not None:  # structured output: the beam's own matcher, one token on
+                child.grammar = parent.grammar.fork()
+                child.grammar.accept(token)
             self.scheduler.fork_request(parent, child)
             self._beam_group[child.request_id] = group.root_id
             group.beams.append(_Beam(child, score, old[parent_index].logprobs + [self._entry(group, token, entry)]))

@@ -107,8 +107,6 @@ class InputProcessor:
         from kvtide.structured_output.grammars import build_grammar
 
         so = params.structured_outputs
-        if params.use_beam_search:
-            raise ValueError("structured_outputs is not supported with use_beam_search=True")
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer (the grammar is compiled against its vocabulary)")
         bad = [t for t in so.reasoning_end_token_ids or [] if t >= self.vocab_size]

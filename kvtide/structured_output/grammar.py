@@ -25,6 +25,16 @@ class RequestGrammar:
         for token in output_token_ids:  # a grammar made after tokens were emitted catches up
             self.accept(token)
 
+    def fork(self) -> RequestGrammar:
+        """An independent copy at the same state (a beam continuing from this one)."""
+        other = RequestGrammar.__new__(RequestGrammar)
+        other.matcher = self.matcher.fork()
+        other._reasoning_end = self._reasoning_end
+        other.active = self.active
+        other._recent = list(self._recent)
+        other.num_jump_forward_tokens = 0
+        return other
+
     def accept(self, token_id: int) -> bool:
         """Advance over an emitted token; False when the grammar forbids it (or has ended)."""
         if not self.active:

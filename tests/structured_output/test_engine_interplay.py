@@ -184,6 +184,23 @@ def test_bad_constraints_are_value_errors_before_anything_runs(llm, constraint, 
     llm.engine.core.check_integrity()
 
 
-def test_beam_search_with_a_grammar_is_refused(llm):
-    with pytest.raises(ValueError, match="use_beam_search"):
-        llm.generate(["x"], SamplingParams(n=2, use_beam_search=True, max_tokens=4, structured_outputs=JSON))
+def test_beam_search_keeps_every_beam_in_the_grammar(llm):
+    """Each beam forks its parent's matcher: all n returned sequences satisfy the constraint, come
+    best first, and differ."""
+    pattern = r"(cat|dog|cow)-[0-9]{2}"
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    out = llm.generate(["Animal:"], params)[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(pattern, completion.text), completion.text
+    assert len({c.text for c in out.outputs}) == 3
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    llm.engine.core.check_integrity()
+
+
+def test_beam_search_with_a_schema(llm):
+    params = SamplingParams(n=2, use_beam_search=True, max_tokens=120, structured_outputs=JSON)
+    assert_valid(llm.generate(["Weather:"], params))
