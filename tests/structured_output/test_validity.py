@@ -168,3 +168,18 @@ def test_properties_come_in_the_schema_order(llm):
               "required": ["zeta", "alpha"]}
     for output in sample(llm, StructuredOutputsParams(json=schema, disable_any_whitespace=True), num=2):
         assert output.text == '{"zeta": 1, "alpha": 2}'
+
+
+def test_structural_tag_outputs_hold_the_tagged_json(llm):
+    """An xgrammar structural tag: a fixed tag around a JSON section that must match its schema."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"]}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<function=get_weather>"},
+        {"type": "json_schema", "json_schema": schema},
+        {"type": "const_string", "value": "</function>"}]}}
+    for output in sample(llm, StructuredOutputsParams(structural_tag=json.dumps(tag)), num=16):
+        match = re.fullmatch(r"<function=get_weather>(.*)</function>", output.text, re.S)
+        assert match, output.text
+        jsonschema.validate(json.loads(match.group(1)), schema)
