@@ -39,9 +39,9 @@ def build_grammar(params: StructuredOutputsParams):
 def _bounded_strings_as_patterns(schema):
     """Strings with minLength/maxLength (and no pattern or format) as a pattern of as many
     characters. xgrammar 0.2.9 compiles a bounded string to characters that include raw control
-    characters (invalid in JSON) and UTF-8-encoded surrogates (invalid UTF-8, which decode to three
-    replacement characters and so break the bound); the pattern excludes both. Such values then
-    hold no quote or backslash (the pattern admits no escapes)."""
+    characters, which JSON forbids; the pattern excludes them (and surrogates). Such values then
+    hold no quote or backslash (the pattern admits no escapes). Invalid UTF-8 byte runs the
+    matcher admits are masked by the Utf8Guard."""
     if isinstance(schema, list):
         return [_bounded_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):

@@ -51,6 +51,7 @@ class StructuredOutputManager:
         self.enable_jump_forward = enable_jump_forward
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtide-grammar")
         self._compiler = None
+        self._utf8_guard = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = StructuredOutputStats()
@@ -102,7 +103,7 @@ class StructuredOutputManager:
 
         params = request.sampling_params.structured_outputs
         request.grammar = RequestGrammar(compiled, sorted(request.eos_token_ids), params.reasoning_end_token_ids,
-                                         request.output_token_ids)
+                                         request.output_token_ids, self._utf8_guard)
         return True
 
     def wait_for_compilation(self, timeout: float) -> None:
@@ -144,7 +145,10 @@ class StructuredOutputManager:
         if self._compiler is None:
             import xgrammar as xgr
 
+            from kvtide.structured_output.utf8_guard import Utf8Guard
+
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+            self._utf8_guard = Utf8Guard(info.decoded_vocab, self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
 

@@ -20,7 +20,7 @@ SCHEMAS = {
     "nested": {
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+            "user": {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
                                                       "id": {"type": "integer", "minimum": 1, "maximum": 999}},
                      "required": ["name", "id"]},
             "active": {"type": "boolean"},
@@ -38,7 +38,7 @@ SCHEMAS = {
         "type": "object",
         "properties": {"score": {"type": "number", "minimum": -5, "maximum": 5},
                        "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 50},
-                       "note": {"type": "string", "pattern": "^[a-z]{0,4}$"}},
+                       "note": {"type": "string", "maxLength": 4}},
         "required": ["score", "count"],
     },
     "any_of": {
