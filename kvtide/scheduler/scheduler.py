@@ -297,7 +297,7 @@ class Scheduler:
                 # The runner samples here; until that token is reported it counts as known.
                 request.num_output_placeholders += 1
                 output.sampling_req_ids.add(req_id)
-        if self.structured_output is not None:
+        if self.structured_output is not None and self.structured_output.stats.num_constrained_requests:
             output.grammar = self.structured_output.grammar_step(
                 [self.requests[r] for r in output.sampling_req_ids])
         return output

@@ -185,3 +185,41 @@ def parse_call_json(
         return call_from_object(load_json(text), argument_keys)
     except Exception:  # ValueError, RecursionError on absurd nesting: either way, not a call
         return None
+
+
+class WholeOutputStream(StreamingToolParser):
+    """The stream of a format whose output is either all calls or all content (llama3_json,
+    pythonic): text is held until the format is ruled out (then it streams as content) or the
+    stream ends complete (then the calls go out). Subclasses read on in `_step` and say in
+    `_complete` whether the state at the end is a finished set of calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._pos = 0
+        self._state = "head"
+        self._matcher = None
+        self._calls: list[ToolCall] = []
+
+    def _scan(self, delta_text: str, final: bool) -> list[Event]:
+        if self._state == "content":
+            return [delta_text]
+        self._text += delta_text
+        while self._step():
+            pass
+        if self._state == "content":
+            text, self._text = self._text, ""
+            return [text]
+        if not final:
+            return []
+        if self._complete():
+            return list(self._calls)
+        self._state = "content"
+        return [self._text]
+
+    def _step(self) -> bool:
+        """Read on from self._pos; False when decided or when the rest must wait for more text."""
+        raise NotImplementedError
+
+    def _complete(self) -> bool:
+        raise NotImplementedError

@@ -15,7 +15,7 @@ start with "{", or an object is not a call).
 
 from __future__ import annotations
 
-from kvtide.tool_parsers.base import Event, StreamingToolParser, ToolCall, ToolParser, parse_call_json
+from kvtide.tool_parsers.base import StreamingToolParser, ToolParser, WholeOutputStream, parse_call_json
 from kvtide.tool_parsers.scan import BracketMatcher, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
@@ -28,35 +28,17 @@ class Llama3JsonToolParser(ToolParser):
         return _Llama3JsonStream()
 
 
-class _Llama3JsonStream(StreamingToolParser):
+class _Llama3JsonStream(WholeOutputStream):
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""
-        self._pos = 0
-        self._state = "head"
-        """head -> object -> separator [-> after_semicolon -> object ...]; or content, for good."""
+        # states: head -> object -> separator [-> after_semicolon -> object ...]; or content, for good.
         self._tag_seen = False
         self._matcher: BracketMatcher | None = None
-        self._calls: list[ToolCall] = []
 
-    def _scan(self, delta_text: str, final: bool) -> list[Event]:
-        if self._state == "content":
-            return [delta_text]
-        self._text += delta_text
-        while self._step():
-            pass
-        if self._state == "content":
-            text, self._text = self._text, ""
-            return [text]
-        if not final:
-            return []
-        if self._state in ("separator", "after_semicolon"):
-            return list(self._calls)
-        self._state = "content"
-        return [self._text]
+    def _complete(self) -> bool:
+        return self._state in ("separator", "after_semicolon")
 
     def _step(self) -> bool:
-        """Read on from self._pos; False when decided or when the rest must wait for more text."""
         text = self._text
         if self._state == "object":
             assert self._matcher is not None

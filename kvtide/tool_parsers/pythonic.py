@@ -20,7 +20,13 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from kvtide.tool_parsers.base import Event, StreamingToolParser, ToolCall, ToolParser, canonical_arguments
+from kvtide.tool_parsers.base import (
+    StreamingToolParser,
+    ToolCall,
+    ToolParser,
+    WholeOutputStream,
+    canonical_arguments,
+)
 from kvtide.tool_parsers.scan import BracketMatcher, skip_space
 
 START_TAG = "<|python_start|>"
@@ -77,36 +83,18 @@ def parse_call_list(source: str) -> list[ToolCall] | None:
         return None
 
 
-class _PythonicStream(StreamingToolParser):
+class _PythonicStream(WholeOutputStream):
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""
-        self._pos = 0
-        self._state = "head"
-        """head -> list -> tail; or content, for good."""
+        # states: head -> list -> tail; or content, for good.
         self._start_seen = False
         self._end_seen = False
         self._matcher: BracketMatcher | None = None
-        self._calls: list[ToolCall] = []
 
-    def _scan(self, delta_text: str, final: bool) -> list[Event]:
-        if self._state == "content":
-            return [delta_text]
-        self._text += delta_text
-        while self._step():
-            pass
-        if self._state == "content":
-            text, self._text = self._text, ""
-            return [text]
-        if not final:
-            return []
-        if self._state == "tail" and skip_space(self._text, self._pos) == len(self._text):
-            return list(self._calls)
-        self._state = "content"
-        return [self._text]
+    def _complete(self) -> bool:
+        return self._state == "tail" and skip_space(self._text, self._pos) == len(self._text)
 
     def _step(self) -> bool:
-        """Read on from self._pos; False when decided or when the rest must wait for more text."""
         text = self._text
         if self._state == "list":
             assert self._matcher is not None
