@@ -38,7 +38,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
             if stop_ids:
                 logits[i, stop_ids] = float("-inf")
 
-    rep = torch.tensor([r.params.repetition_penalty for r in md.rows], dtype=logits.dtype, device=device)
+    # a penalty below the dtype's smallest normal would round to 0 (and -inf * 0 is NaN)
+    rep = torch.tensor([r.params.repetition_penalty for r in md.rows], dtype=logits.dtype,
+                       device=device).clamp_(min=torch.finfo(logits.dtype).tiny)
     pres = torch.tensor([r.params.presence_penalty for r in md.rows], dtype=logits.dtype, device=device)
     freq = torch.tensor([r.params.frequency_penalty for r in md.rows], dtype=logits.dtype, device=device)
     if bool((rep != 1.0).any()) or bool((pres != 0).any()) or bool((freq != 0).any()):

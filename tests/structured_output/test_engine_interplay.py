@@ -204,3 +204,15 @@ def test_beam_search_keeps_every_beam_in_the_grammar(llm):
 def test_beam_search_with_a_schema(llm):
     params = SamplingParams(n=2, use_beam_search=True, max_tokens=120, structured_outputs=JSON)
     assert_valid(llm.generate(["Weather:"], params))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_extreme_penalties_never_pick_a_masked_token(llm, temperature):
+    """A repetition penalty of 5e-324 divides positive logits to +inf; the draw must still land on
+    a token the grammar allows (found by the API fuzzer)."""
+    params = SamplingParams(temperature=temperature, seed=0, top_k=34, max_tokens=4, repetition_penalty=5e-324,
+                            presence_penalty=5e-324, structured_outputs=StructuredOutputsParams(regex="×\U0003f433\x95"))
+    out = llm.generate(["×\U0003f433\x95"], params)[0].outputs[0]
+    assert out.finish_reason == "length"
+    forced = llm.get_tokenizer().encode("×\U0003f433\x95", add_special_tokens=False)
+    assert out.token_ids == forced[:4]
