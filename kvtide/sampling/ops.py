@@ -36,7 +36,10 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if len(row.output_token_ids) < params.min_tokens:
             stop_ids = [t for t in params.all_stop_token_ids if t < vocab_size]
             if stop_ids:
+                kept = logits[i, stop_ids].clone()
                 logits[i, stop_ids] = float("-inf")
+                if bool(torch.isneginf(logits[i]).all()):  # a grammar allows only a stop here: it wins
+                    logits[i, stop_ids] = kept
 
     # a penalty below the dtype's smallest normal would round to 0 (and -inf * 0 is NaN)
     rep = torch.tensor([r.params.repetition_penalty for r in md.rows], dtype=logits.dtype,

@@ -216,3 +216,10 @@ def test_extreme_penalties_never_pick_a_masked_token(llm, temperature):
     assert out.finish_reason == "length"
     forced = llm.get_tokenizer().encode("×\U0003f433\x95", add_special_tokens=False)
     assert out.token_ids == forced[:4]
+
+
+def test_min_tokens_yields_to_a_grammar_that_only_allows_the_end(llm):
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, min_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate(["Answer:"], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
