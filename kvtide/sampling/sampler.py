@@ -45,18 +45,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         # A row is bad if it holds NaN or +inf, or nothing but -inf (-inf alone is a masked token:
-        # structured output, logit processors). A row summing to a finite value is fine: one cheap
-        # reduction read back as floats, and the exact check only for the rows it flags.
+        # structured output, logit processors). Such a row sums to NaN or +inf, or to -inf with a
+        # -inf maximum. One cheap reduction read back as floats; the exact check only for the rows
+        # it flags (a sum can also overflow to +inf from finite values), and one max for masked rows.
         totals = logits.sum(dim=-1).tolist()
-        bad_rows = [i for i, total in enumerate(totals) if not math.isfinite(total)]
+        bad_rows = [i for i, total in enumerate(totals) if total != total or total == math.inf]
         if bad_rows:
             suspects = logits[bad_rows]
-            broken = (suspects.isnan() | suspects.isposinf()).any(dim=-1) | (suspects.amax(dim=-1) == -math.inf)
+            broken = (suspects.isnan() | suspects.isposinf()).any(dim=-1)
             bad_rows = [bad_rows[j] for j in broken.nonzero().flatten().tolist()]
-            if bad_rows:
-                finite = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-                finite[bad_rows] = False
-                logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+        if -math.inf in totals:
+            maxima = logits.amax(dim=-1).tolist()
+            bad_rows = sorted(set(bad_rows) | {i for i, top in enumerate(maxima) if top == -math.inf})
+        if bad_rows:
+            finite = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+            finite[bad_rows] = False
+            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
 
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.needs_processing:

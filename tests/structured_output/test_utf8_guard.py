@@ -55,3 +55,4 @@ def test_guarded_bitmask_masks_the_bytes_after_a_lead(setup):
     assert grammar.fill_bitmask(bitmask, 0)
     allowed = {b for b, token in byte_token.items() if bitmask[0, token // 32] >> (token % 32) & 1}
     assert allowed == set(range(0x80, 0xA0))
+
