@@ -15,12 +15,6 @@ from kvtide.bench.datasets import (
     file_dataset,
     render_turn_prompt,
 )
-from kvtide.models.demo import build_byte_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_byte_tokenizer()
 
 
 def dataset_args(*argv: str) -> argparse.Namespace:

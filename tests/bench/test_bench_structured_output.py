@@ -3,35 +3,24 @@ payloads, the validity check and the report (against the fake server; no model).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import pathlib
 
 import pytest
 from bench_fake_server import ServerThread, make_app
+from test_bench_datasets import dataset_args
 
 from kvtide.bench.client import PayloadOptions, build_payload, parse_prometheus
-from kvtide.bench.datasets import add_dataset_args, build_dataset
+from kvtide.bench.datasets import build_dataset
 from kvtide.bench.json_schemas import TASKS, json_schema_jobs
 from kvtide.bench.metrics import RequestRecord, format_report
 from kvtide.bench.structured_figures import check_output, server_figures, validity_counts
 from kvtide.cli import main as kvtide_main
-from kvtide.models.demo import build_byte_tokenizer
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_structured_output.py"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_byte_tokenizer()
-
-
-def dataset_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_dataset_args(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(list(argv))
 
 
 def smallest_instance(schema: dict):

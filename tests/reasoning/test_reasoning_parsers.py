@@ -3,13 +3,13 @@ chunks (tags split across them included), the deltas rebuild exactly the non-str
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from text_splits import splits
 
 from kvtide.reasoning import REASONING_PARSERS, get_reasoning_parser
 
@@ -98,17 +98,8 @@ def test_recorded_outputs(case):
 def test_streaming_matches_whole_for_every_split(case):
     parser_name, text = case[0], case[1]
     expected = whole(parser_name, text)
-    assert stream(parser_name, list(text)) == expected, "1-char chunks"
-    for cut in range(len(text) + 1):
-        assert stream(parser_name, [text[:cut], text[cut:]]) == expected, f"cut at {cut}"
-    rng = random.Random(len(text))
-    for _ in range(30):
-        chunks, pos = [], 0
-        while pos < len(text):
-            size = rng.randint(1, 6)
-            chunks.append(text[pos : pos + size])
-            pos += size
-        assert stream(parser_name, chunks) == expected, chunks
+    for label, chunks in splits(text, max_chunk=6):
+        assert stream(parser_name, chunks) == expected, label
 
 
 PIECES = ["<think>", "</think>", "<th", "ink>", "</", "think", ">", "<", " ", "\n", "a", "é", "x < y"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
-import random
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from text_splits import splits
 
 from kvtide.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser, make_tool_call_id
 
@@ -363,17 +363,8 @@ def test_recorded_outputs(case):
 def test_streaming_matches_whole_for_every_split(case):
     parser_name, text = case[0], case[1]
     expected = whole(parser_name, text)
-    assert stream(parser_name, list(text)) == expected, "1-char chunks"
-    for cut in range(len(text) + 1):
-        assert stream(parser_name, [text[:cut], text[cut:]]) == expected, f"cut at {cut}"
-    rng = random.Random(len(text))
-    for _ in range(30):
-        chunks, pos = [], 0
-        while pos < len(text):
-            size = rng.randint(1, 12)
-            chunks.append(text[pos : pos + size])
-            pos += size
-        assert stream(parser_name, chunks) == expected, chunks
+    for label, chunks in splits(text, max_chunk=12):
+        assert stream(parser_name, chunks) == expected, label
 
 
 PIECES = [
