@@ -20,3 +20,9 @@ def splits(text: str, max_chunk: int, num_random: int = 30) -> Iterator[tuple[st
             chunks.append(text[pos:pos + size])
             pos += size
         yield f"random {chunks!r}", chunks
+
+
+def cut_at(text: str, cuts: list[int]) -> list[str]:
+    """`text` cut at the given positions (those past its end ignored)."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
