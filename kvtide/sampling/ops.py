@@ -54,7 +54,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
             penalty = torch.where(logits > 0, 1.0 / rep[:, None], rep[:, None])
             logits = torch.where(seen, logits * penalty, logits)
         logits = logits - freq[:, None] * output_counts - pres[:, None] * (output_counts > 0)
-    return logits
+    # an extreme penalty dividing a positive logit overflows to +inf: capped, a row stays finite where
+    # it was allowed and -inf where it was masked, so no draw falls on a masked token through a NaN
+    return logits.clamp_(max=torch.finfo(logits.dtype).max)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -64,7 +64,7 @@ class Sampler:
 
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.needs_processing:
-            logits = _processed(logits, md)
+            logits = apply_penalties(logits, md)
 
         if md.all_greedy:
             sampled = argmax_first(logits)
@@ -86,7 +86,7 @@ class Sampler:
         compares a draft's distribution against."""
         logits = logits.float()
         if md.needs_processing:
-            logits = _processed(logits, md)
+            logits = apply_penalties(logits, md)
         return self._random_probs(logits, md)
 
     def _random_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -114,9 +114,3 @@ class Sampler:
             self._generators[device] = generator
         return generator
 
-
-def _processed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Step 2, with +inf (an extreme penalty dividing a positive logit overflows) capped at the
-    largest float: a row stays finite where it was allowed and -inf where it was masked, so the
-    draw never falls on a masked token (structured output) through a NaN."""
-    return apply_penalties(logits, md).clamp_(max=torch.finfo(logits.dtype).max)

@@ -18,7 +18,7 @@ from kvtide.structured_output.utf8_guard import Utf8Guard
 
 class RequestGrammar:
     def __init__(self, compiled, stop_token_ids: list[int], reasoning_end_token_ids: list[int] | None,
-                 output_token_ids: list[int], utf8_guard: Utf8Guard | None = None) -> None:
+                 utf8_guard: Utf8Guard | None = None) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
@@ -29,9 +29,6 @@ class RequestGrammar:
         self.active = not self._reasoning_end
         self._recent: list[int] = []
         """The last tokens seen while dormant (to find the end of the reasoning section)."""
-        self.num_jump_forward_tokens = 0
-        for token in output_token_ids:  # a grammar made after tokens were emitted catches up
-            self.accept(token)
 
     def fork(self) -> RequestGrammar:
         """An independent copy at the same state (a beam continuing from this one)."""
@@ -41,7 +38,6 @@ class RequestGrammar:
         other._reasoning_end = self._reasoning_end
         other.active = self.active
         other._recent = list(self._recent)
-        other.num_jump_forward_tokens = 0
         return other
 
     def accept(self, token_id: int) -> bool:
@@ -120,5 +116,4 @@ class RequestGrammar:
                 break
             accepted.append(token)
             self._lead = self._lead_after(token)
-        self.num_jump_forward_tokens += len(accepted)
         return accepted

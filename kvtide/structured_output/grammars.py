@@ -39,7 +39,7 @@ def build_grammar(params: StructuredOutputsParams):
 def _bounded_strings_as_patterns(schema):
     """Strings with minLength/maxLength (and no pattern or format) as a pattern of as many
     characters. xgrammar 0.2.9 compiles a bounded string to characters that include raw control
-    characters, which JSON forbids; the pattern excludes them (and surrogates). Such values then
+    characters, which JSON forbids; the pattern excludes them. Such values then
     hold no quote or backslash (the pattern admits no escapes). Invalid UTF-8 byte runs the
     matcher admits are masked by the Utf8Guard."""
     if isinstance(schema, list):
@@ -51,7 +51,7 @@ def _bounded_strings_as_patterns(schema):
     if (schema.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(schema)
             and all(isinstance(schema.get(k, 0), int) for k in ("minLength", "maxLength"))):
         low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
-        schema["pattern"] = f"^[^\\x00-\\x1f\\uD800-\\uDFFF]{{{low},{high}}}$"
+        schema["pattern"] = f"^[^\\x00-\\x1f]{{{low},{high}}}$"
     return schema
 
 

@@ -103,7 +103,7 @@ class StructuredOutputManager:
 
         params = request.sampling_params.structured_outputs
         request.grammar = RequestGrammar(compiled, sorted(request.eos_token_ids), params.reasoning_end_token_ids,
-                                         request.output_token_ids, self._utf8_guard)
+                                         self._utf8_guard)
         return True
 
     def wait_for_compilation(self, timeout: float) -> None:

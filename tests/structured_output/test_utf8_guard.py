@@ -34,14 +34,14 @@ def setup():
 ])
 def test_guarded_matcher_accepts_exactly_valid_utf8(setup, data, valid):
     compiled, guard, byte_token, _ = setup
-    grammar = RequestGrammar(compiled, [1], None, [], guard)
+    grammar = RequestGrammar(compiled, [1], None, guard)
     assert all(grammar.accept(byte_token[b]) for b in data) == valid
 
 
 def test_the_matcher_alone_takes_a_surrogate(setup):
     """Why the guard exists: xgrammar 0.2.9's JSON string admits an encoded surrogate."""
     compiled, _, byte_token, _ = setup
-    grammar = RequestGrammar(compiled, [1], None, [], None)
+    grammar = RequestGrammar(compiled, [1], None, None)
     assert all(grammar.accept(byte_token[b]) for b in b'"\xed\xa0\x80"')
 
 
@@ -49,7 +49,7 @@ def test_guarded_bitmask_masks_the_bytes_after_a_lead(setup):
     import xgrammar as xgr
 
     compiled, guard, byte_token, vocab_size = setup
-    grammar = RequestGrammar(compiled, [1], None, [], guard)
+    grammar = RequestGrammar(compiled, [1], None, guard)
     assert grammar.accept(byte_token[ord('"')]) and grammar.accept(byte_token[0xED])
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     assert grammar.fill_bitmask(bitmask, 0)
