@@ -75,6 +75,8 @@ class ModelConfig:
     """Hub revision (branch, tag or commit)."""
     hf_config: Any = None
     """The transformers PretrainedConfig the model is built from."""
+    quant_config: Any = None
+    """The weight quantization the model loads with (layers/quantization/); None: float weights."""
 
 
 @dataclass(frozen=True)

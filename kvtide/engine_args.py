@@ -22,6 +22,7 @@ from kvtide.config import (
     resolve_dtype,
 )
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
+from kvtide.layers.quantization import resolve_quantization
 from kvtide.spec_decode.resolve import resolve_speculative_config
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -82,6 +83,17 @@ class EngineArgs:
     structured_outputs_config: str | dict | None = None
     """Constrained decoding, as JSON: {"backend": "xgrammar", "enable_jump_forward": true} (jump-forward
     appends the tokens a grammar forces without a forward pass each)."""
+    quantization: str | None = None
+    """Weight quantization. A quantized checkpoint is served in its own format, detected from
+    config.json's quantization_config (gptq, awq, compressed-tensors, fp8) or a GGUF file's tensor
+    types (gguf, kept quantized); naming it checks the checkpoint against it. On a float checkpoint:
+    int8 (per-channel weight-only), int4 (group-wise asymmetric weight-only), fp8 (e4m3 per-channel)
+    or w8a8 (SmoothQuant-style int8 weights and per-token int8 activations)."""
+    quantization_group_size: int | None = None
+    """int4: input columns per scale (32, 64 or 128; default 128)."""
+    calibration_data: str | None = None
+    """w8a8: a text file whose activations set the SmoothQuant smoothing factors (default: none, plain
+    per-channel W8A8)."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -195,6 +207,8 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        quant_config = resolve_quantization(self.quantization, hf_config, model_dir, self.quantization_group_size,
+                                            self.calibration_data, device)
         speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
                                                  device, self.trust_remote_code, self.tokenizer)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
@@ -207,7 +221,7 @@ class EngineArgs:
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=dtype,
                                      max_model_len=max_model_len, seed=self.seed,
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
-                                     hf_config=hf_config),
+                                     hf_config=hf_config, quant_config=quant_config),
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,

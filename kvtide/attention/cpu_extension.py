@@ -1,13 +1,15 @@
-"""The compiled CPU attention op (csrc/paged_attention.cpp), built on first use.
+"""The compiled CPU ops, built on first use: paged attention (csrc/paged_attention.cpp) and the
+quantized linears (layers/quantization/csrc/quantized_linear.cpp).
 
-The same source is compiled once per ISA, each build its own library and op namespace
-(`torch.ops.kvtide_avx512`, `kvtide_avx2`, `kvtide_default`), and the best one this CPU runs is
+Each source is compiled once per ISA, each build its own library and op namespace
+(`torch.ops.kvtide_avx512`, `kvtide_avx2`, `kvtide_default` for attention; `kvtide_quant_<isa>`
+for the linears), and the best one this CPU runs is
 chosen at run time: one binary built for the machine it was compiled on would fault (or be slow) on
 another, and a wheel cannot know where it will run. `torch.backends.cpu.get_cpu_capability()` says
 what the CPU runs (and honours ATEN_CPU_CAPABILITY, as torch's own kernels do).
 
 Builds go through `torch.utils.cpp_extension.load` against the installed torch (never an isolated
-pip build, whose torch could differ in ABI) into `cache_root()/torch_ext/<torch>-<isa>-<hash>`, so a
+pip build, whose torch could differ in ABI) into `cache_root()/torch_ext/<torch>-<source>-<isa>-<hash>`, so a
 new torch or a changed source gets a fresh directory; cpp_extension's lock file in that directory
 lets concurrent processes share one build. No compiler, a failed build, or KVTIDE_CPU_KERNELS=0
 gives None (with one warning), and the callers fall back to pure torch.
@@ -31,7 +33,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
     "default": ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"],
 }
 """Best first. Each build also gets its own op namespace (KVTIDE_OPS_NS)."""
@@ -40,7 +42,7 @@ COMMON_FLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-
 torch's libgomp, loaded first under the same soname). Hidden visibility: the builds share inline
 functions (at::vec, c10) compiled for different ISAs, which must not interpose one another."""
 
-_loaded: dict[str, Callable | None] = {}
+_loaded: dict[tuple[str, str], Callable | None] = {}
 _warned: set[str] = set()
 
 
@@ -56,39 +58,49 @@ def available_isas() -> list[str]:
 def load_paged_attention(isa: str | None = None) -> Callable | None:
     """`torch.ops.kvtide_<isa>.paged_attention` for `isa` (default: the best this CPU runs), built
     if needed; None where it cannot be (the reason logged once). Cached per process."""
+    return load_cpu_op(SOURCE, "kvtide", "paged_attention", "compiled CPU attention", isa)
+
+
+def load_cpu_op(source: Path, library: str, op: str, what: str, isa: str | None = None) -> Callable | None:
+    """`torch.ops.<library>_<isa>.<op>` from the C++ file `source` (which registers its ops under
+    the KVTIDE_OPS_NS macro), built for `isa` if needed; None where it cannot be (no compiler, a
+    failed build, KVTIDE_CPU_KERNELS=0; the reason logged once, naming `what`)."""
     if os.environ.get("KVTIDE_CPU_KERNELS", "1") == "0":
-        _warn_once("KVTIDE_CPU_KERNELS=0: compiled CPU attention disabled, using pure torch")
+        _warn_once(f"KVTIDE_CPU_KERNELS=0: {what} disabled, using pure torch")
         return None
     isa = isa or available_isas()[0]
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}; got {isa!r}")
-    if isa not in _loaded:
-        _loaded[isa] = _build(isa)
-    return _loaded[isa]
+    key = (str(source), isa)
+    if key not in _loaded:
+        _loaded[key] = _build(source, library, isa, what)
+    namespace = _loaded[key]
+    return None if namespace is None else getattr(getattr(torch.ops, namespace), op)
 
 
-def build_directory(isa: str) -> Path:
-    """Where `isa`'s build lives: one directory per torch version, ISA and source + flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def build_directory(isa: str, source: Path = SOURCE) -> Path:
+    """Where `isa`'s build of `source` lives: one directory per torch version, ISA and source + flags."""
+    digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join(ISA_FLAGS[isa] + COMMON_FLAGS).encode())
-    return Path(cache_root()) / "torch_ext" / f"{torch.__version__}-{isa}-{digest.hexdigest()[:12]}"
+    return Path(cache_root()) / "torch_ext" / f"{torch.__version__}-{source.stem}-{isa}-{digest.hexdigest()[:12]}"
 
 
-def _build(isa: str) -> Callable | None:
-    namespace = f"kvtide_{isa}"
+def _build(source: Path, library: str, isa: str, what: str) -> str | None:
+    """The op namespace of `source`'s build for `isa`, or None (the reason logged once)."""
+    namespace = f"{library}_{isa}"
     try:
         from torch.utils import cpp_extension
 
-        directory = build_directory(isa)
+        directory = build_directory(isa, source)
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=f"kvtide_paged_attention_{isa}", sources=[str(SOURCE)],
+            name=f"{library}_{source.stem}_{isa}", sources=[str(source)],
             extra_cflags=COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DKVTIDE_OPS_NS={namespace}"],
             extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
             verbose=False)
-        return getattr(torch.ops, namespace).paged_attention
+        return namespace
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, but say why
-        _warn_once(f"compiled CPU attention ({isa}) unavailable, using pure torch: "
+        _warn_once(f"{what} ({isa}) unavailable, using pure torch: "
                    f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
         return None
 

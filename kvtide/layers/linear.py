@@ -35,8 +35,21 @@ class LinearBase(nn.Module):
         self.gemm_plan: GemmPlan | None = None
         """On CPU, the GEMM kernel measured fastest per row count, with its packed copy of `weight`
         (layers/cpu_gemm.py); None: F.linear."""
+        self.quant_method = None
+        """Set when the layer is quantized (layers/quantization/): it runs the matmul once the layer
+        holds its QuantizedWeight (`quantized`; until then, e.g. while calibrating, the float weight)."""
+        self.quantized = None
+
+    shard_ids: tuple[object, ...] = (None,)
+    """The checkpoint shards fused into this layer, in output-row order."""
+
+    def shard_range(self, shard_id: object) -> tuple[int, int]:
+        """(offset, size) in output rows of one checkpoint shard."""
+        return 0, self.output_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias, self.gemm_plan)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -61,11 +74,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def shard_range(self, shard_id: object) -> tuple[int, int]:
+        assert isinstance(shard_id, int)
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        assert isinstance(shard_id, int)
-        offset = sum(self.output_sizes[:shard_id])
-        size = self.output_sizes[shard_id]
+        offset, size = self.shard_range(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)  # type: ignore[arg-type]
 
 
@@ -78,9 +94,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    shard_ids = ("q", "k", "v")
+
+    def shard_range(self, shard_id: object) -> tuple[int, int]:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
         assert shard_id in offsets, shard_id
-        offset, size = offsets[shard_id]  # type: ignore[index]
+        return offsets[shard_id]  # type: ignore[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        offset, size = self.shard_range(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)  # type: ignore[arg-type]

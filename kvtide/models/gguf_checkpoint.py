@@ -4,8 +4,10 @@ A GGUF file carries everything: config keys, the tokenizer (vocab, merges, speci
 template and the (often quantized) tensors. `prepare_gguf_model_dir` turns the metadata into a small
 cached directory (config.json, generation_config.json, tokenizer files, a marker naming the file), so
 the rest of the engine loads a GGUF model as it loads any checkpoint; the weights are not copied:
-`iterate_gguf_weights` streams them from the file, dequantized with the `gguf` package's own kernels,
-renamed to transformers' names and with llama.cpp's rotary permutation of q/k undone.
+`iterate_gguf_weights` streams them from the file, renamed to transformers' names and with
+llama.cpp's rotary permutation of q/k undone. Quantized linears and embeddings stay quantized
+(their block codes decoded into the engine's layout, layers/quantization/gguf.py); the rest is
+dequantized with the `gguf` package's own kernels.
 """
 
 from __future__ import annotations
@@ -213,9 +215,12 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
     return index
 
 
-def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None
+def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None,
+                         kept: dict[str, tuple[str, int, bool]] | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, float32 tensor) for each tensor of the file, dequantized with gguf's kernels."""
+    """(transformers name, float32 tensor) for each tensor of the file, dequantized with gguf's kernels;
+    a tensor named in `kept` (name -> the (kind, group size, has mins) its layer keeps) comes as its
+    codes, scales and mins instead (`<module>.gguf_codes`, `.gguf_scales`, `.gguf_mins`)."""
     from gguf import GGMLQuantizationType, dequantize
 
     if index is None:
@@ -227,6 +232,9 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None
             raise ValueError(f"GGUF file {path} ends inside tensor {entry['gguf_name']}: the file is truncated; "
                              f"download or convert it again")
         shape = entry["shape"]
+        if kept is not None and entry["name"] in kept:
+            yield from _kept_quantized(path, entry, raw, kept[entry["name"]])
+            continue
         try:
             weight = dequantize(raw.reshape(int(np.prod(shape[:-1])), -1), GGMLQuantizationType[entry["type"]])
         except Exception as e:
@@ -237,6 +245,54 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None
         if entry["permute_heads"]:
             weight = _unpermute(weight, entry["permute_heads"])
         yield entry["name"], torch.from_numpy(np.ascontiguousarray(weight))
+
+
+SELF_CHECK_ROWS = 64
+"""Rows of each kept-quantized tensor checked against gguf's own dequantization at load: a wrong
+block decode shows in any row, and the whole tensor would cost as much as dequantizing it."""
+
+
+def _kept_quantized(path: str, entry: dict[str, Any], raw: np.ndarray, layout: tuple[str, int, bool]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One GGUF tensor as codes/scales/mins in its layer's layout (see layers/quantization/gguf.py)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from kvtide.layers.quantization.gguf_codecs import check_decoded, decode_blocks
+    from kvtide.layers.quantization.qweight import QuantizedWeight, pack_int4, promote
+
+    kind, group, has_mins = layout
+    rows, k = int(np.prod(entry["shape"][:-1])), entry["shape"][-1]
+    blocks = raw.reshape(rows, -1)
+    try:
+        decoded = decode_blocks(blocks, entry["type"], k)
+        check = min(rows, SELF_CHECK_ROWS)
+        check_decoded(decoded if check == rows else _first_rows(decoded, check),
+                      dequantize(blocks[:check], GGMLQuantizationType[entry["type"]]), entry["gguf_name"])
+    except ValueError as e:
+        raise ValueError(f"GGUF file {path}: {e}") from e
+    codes, scales, mins = decoded.codes, decoded.scales, decoded.mins
+    if entry["permute_heads"]:
+        codes, scales = _unpermute(codes, entry["permute_heads"]), _unpermute(scales, entry["permute_heads"])
+        mins = None if mins is None else _unpermute(mins, entry["permute_heads"])
+    codes_t = torch.from_numpy(np.ascontiguousarray(codes))
+    qw = QuantizedWeight(decoded.kind, pack_int4(codes_t) if decoded.kind == "int4" else codes_t,
+                         torch.from_numpy(np.ascontiguousarray(scales)),
+                         None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
+                         decoded.group_size, rows, k)
+    if (qw.kind, qw.group_size) != (kind, group):
+        qw = promote(qw, kind, group)
+    module = entry["name"].removesuffix(".weight")
+    yield f"{module}.gguf_codes", qw.codes
+    yield f"{module}.gguf_scales", qw.scales
+    if has_mins:
+        yield f"{module}.gguf_mins", qw.mins if qw.mins is not None else torch.zeros_like(qw.scales)
+
+
+def _first_rows(decoded, rows: int):
+    from kvtide.layers.quantization.gguf_codecs import DecodedBlocks
+
+    return DecodedBlocks(decoded.kind, decoded.codes[:rows], decoded.scales[:rows],
+                         None if decoded.mins is None else decoded.mins[:rows], decoded.group_size)
 
 
 def _cache_key(path: str) -> str:
@@ -297,12 +353,27 @@ def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def prepared_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """The weights of a prepared GGUF directory, streamed from its file; None for an ordinary checkpoint."""
+def prepared_weights(model_dir: str, kept: dict[str, tuple[str, int, bool]] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The weights of a prepared GGUF directory, streamed from its file (`kept`: the tensors kept
+    quantized, see iterate_gguf_weights); None for an ordinary checkpoint."""
     if not os.path.exists(os.path.join(model_dir, MARKER)):
         return None
     marker = _read_marker(model_dir)
-    return iterate_gguf_weights(marker["gguf_file"], marker["tensors"])
+    return iterate_gguf_weights(marker["gguf_file"], marker["tensors"], kept)
+
+
+def gguf_tensor_types(model_dir: str) -> dict[str, str]:
+    """transformers tensor name -> GGUF tensor type, for a prepared GGUF directory ({} otherwise)."""
+    if not os.path.exists(os.path.join(model_dir, MARKER)):
+        return {}
+    return {entry["name"]: entry["type"] for entry in _read_marker(model_dir)["tensors"]}
+
+
+def gguf_quantized_tensor_types(model_dir: str) -> set[str]:
+    """The quantized (not F32/F16/BF16) tensor types of a prepared GGUF directory's linears and
+    embeddings (norms are always float); empty for a float GGUF or an ordinary checkpoint."""
+    return {t for name, t in gguf_tensor_types(model_dir).items() if t not in ("F32", "F16", "BF16")}
 
 
 def _read_marker(model_dir: str) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from kvtide.layers.quantization import finish_quantization, prepare_quantization
+from kvtide.layers.quantization.base import QuantizationConfig
 from kvtide.models.gguf_checkpoint import prepared_weights
 from kvtide.models.registry import get_model_class
 
@@ -41,8 +43,12 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    gguf_weights = prepared_weights(model_dir)
+def iterate_weights(model_dir: str, quant_config: QuantizationConfig | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs; a GGUF kept quantized (`quant_config` gguf) yields its
+    tensors' codes, scales and mins instead of float weights."""
+    kept = quant_config.tensor_formats if quant_config is not None and quant_config.name == "gguf" else None
+    gguf_weights = prepared_weights(model_dir, kept)
     if gguf_weights is not None:
         yield from gguf_weights
         return
@@ -57,13 +63,21 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: str, hf_config, dtype: torch.dtype, max_model_len: int,
-               device: str = "cpu") -> torch.nn.Module:
+               device: str = "cpu", quant_config: QuantizationConfig | None = None) -> torch.nn.Module:
+    """`quant_config` (layers/quantization/): the layers it picks load in its format (or quantize
+    their float weights after loading) and run its kernels. A scheme that calibrates on activations
+    (w8a8 with calibration data) is left float here and finished by the model runner."""
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, max_model_len, dtype)
-    loaded = model.load_weights(iterate_weights(model_dir))
-    expected = {name for name, _ in model.named_parameters()}
+        if quant_config is not None:
+            prepare_quantization(model, quant_config)
+    loaded = model.load_weights(iterate_weights(model_dir, quant_config))
+    expected = {name for name, p in model.named_parameters() if not getattr(p, "optional", False)}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    if quant_config is not None and not getattr(quant_config, "needs_calibration", False):
+        with torch.device(device):
+            finish_quantization(model)
     return model.eval()

@@ -65,13 +65,16 @@ class ModelRunner:
         mc = config.model_config
         self.device = torch.device(config.device_config.device)
         self.block_size = config.cache_config.block_size
-        self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device))
+        self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device),
+                                mc.quant_config)
         self.vocab_size = mc.hf_config.vocab_size
         self.attention_backend = get_attention_backend(config.device_config.attention_backend)
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
+        if getattr(mc.quant_config, "needs_calibration", False):
+            self._calibrate_quantization(model_dir)
         # ---- accelerator hook: fused Triton layers on CUDA; decode graphs after KV init
         if self.device.type == "cuda" and config.device_config.attention_backend == "triton":
             from kvtide.layers.triton_ops import use_triton_ops
@@ -87,6 +90,38 @@ class ModelRunner:
             from kvtide.spec_decode.worker import SpecDecodeWorker
 
             self.spec = SpecDecodeWorker(config, self.model, self.device)
+
+    def _calibrate_quantization(self, model_dir: str) -> None:
+        """Run the float model over the calibration text with its quantization's observers, then
+        quantize (w8a8's SmoothQuant factors); the calibration's KV cache is freed after."""
+        from kvtide.bootstrap import load_tokenizer
+        from kvtide.layers.quantization import finish_quantization
+        from kvtide.layers.quantization.w8a8 import CALIBRATION_TOKENS, calibrate
+
+        mc = self.config.model_config
+        tokenizer = load_tokenizer(mc.tokenizer or model_dir, mc.trust_remote_code)
+        num_blocks = -(-min(CALIBRATION_TOKENS, mc.max_model_len) // self.block_size)
+        for attn in self.model.attention_layers():
+            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
+                                                          attn.head_dim)
+            attn.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+            attn.backend = self.attention_backend
+        calibrate(self, mc.quant_config.calibration_data, tokenizer, mc.max_model_len)
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        with torch.device(self.device):
+            finish_quantization(self.model)
+
+    @torch.inference_mode()
+    def prefill_hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """One sequence as one prefill through the model into blocks 0.. of the bound KV cache:
+        its hidden states (T, hidden). For load-time calibration and quality measurements, outside
+        the scheduler (nothing else may be using the cache)."""
+        blocks = list(range(-(-len(token_ids) // self.block_size)))
+        state = CachedRequestState("prefill", list(token_ids), len(token_ids), SamplingParams(), blocks, 0,
+                                   uid=next(self._uids))
+        inputs = prepare_step_inputs({"prefill": len(token_ids)}, {"prefill": state}, self.block_size, self.device)
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _cached_attention_layers(self) -> list:

@@ -1,0 +1,285 @@
+// Weight-only quantized linears on CPU: y = x @ dequantize(w).T with float32 activations, reading
+// the weight in its quantized bytes (1 byte per weight for int8/fp8, half a byte for int4) so a
+// decode step, which is bound by the bytes it reads, moves 4-8x less than with float32 weights.
+//
+//   codes: int8 (N, K) | int4: uint8 (N, K/2), 32-blocks of nibbles | fp8: uint8 e4m3 bits (N, K)
+//   scales, mins: float32 (N, K / group); w[n, k] = scales[n, g] * code[n, k] + mins[n, g]
+//   (the layout of layers/quantization/qweight.py)
+//
+// quantized_linear: each weight vector is dequantized in registers (one FMA) and multiplied into up
+// to kRows activation rows at once, so a weight row is read once per kRows rows; work is split
+// over output rows. dequantize_rows writes float32 rows, for prefill batches that go through a GEMM.
+//
+// fp8 e4m3 -> float: its bits moved into a float16's (sign to bit 15, exponent and mantissa shifted
+// up by 7) are the same number times 2^-8 for normals and subnormals alike (float16 has 8 more
+// exponent bias), so a float16 conversion and a 2^8 factor folded into the scale decode it exactly.
+//
+// Compiled once per ISA (attention/cpu_extension.py): CPU_CAPABILITY_AVX512 / _AVX2 pick the
+// intrinsics, and a portable loop serves the rest.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#ifndef KVTIDE_OPS_NS
+#define KVTIDE_OPS_NS kvtide_quant_default
+#endif
+#define KVTIDE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+namespace KVTIDE_OPS_NS {
+namespace {
+
+constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2;
+constexpr int64_t kRows = 4;  // activation rows sharing one pass over a weight row
+constexpr float kFp8Factor = 256.0f;
+
+inline float fp8_to_float(uint8_t b) {
+  uint16_t bits = static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+  c10::Half h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h) * kFp8Factor;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kLanes = 16;
+using VecF = __m512;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float v) { return _mm512_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+// 16 codes starting at p (int8 / fp8), as floats (fp8: times 2^-8, see above).
+inline VecF load_int8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VecF load_fp8(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                 _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_cvtph_ps(bits);
+}
+// One 32-block of int4 codes (16 bytes): codes k0..k0+15 (low nibbles) and k0+16..k0+31 (high).
+inline void load_int4_block(const uint8_t* p, VecF out[2]) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kLanes = 8;
+using VecF = __m256;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float v) { return _mm256_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VecF load_int8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VecF load_fp8(const uint8_t* p) {
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                              _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_cvtph_ps(bits);
+}
+inline void load_int4_block(const uint8_t* p, VecF out[4]) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(b, mask);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+#endif
+
+struct Weight {
+  const uint8_t* codes;  // row n starts at codes + n * row_bytes
+  int64_t row_bytes;
+  const float* scales;
+  const float* mins;  // nullptr: no offsets
+  int64_t groups, group, kind;
+};
+
+// Scalar dequantization of one row: the portable path and the reference for odd tails.
+void dequant_row_scalar(const Weight& w, int64_t n, int64_t k, float* out) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    float s = w.scales[n * w.groups + g];
+    float m = w.mins ? w.mins[n * w.groups + g] : 0.0f;
+    for (int64_t j = g * w.group; j < (g + 1) * w.group && j < k; ++j) {
+      float q;
+      if (w.kind == kInt8) {
+        q = static_cast<float>(reinterpret_cast<const int8_t*>(row)[j]);
+      } else if (w.kind == kFp8) {
+        q = fp8_to_float(row[j]);
+      } else {
+        int64_t k0 = j / 32 * 32, r = j - k0;
+        uint8_t byte = row[k0 / 2 + (r & 15)];
+        q = static_cast<float>(r < 16 ? (byte & 0x0F) : (byte >> 4));
+      }
+      out[j] = s * q + m;
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Calls f(k, weight vector) for every kLanes-wide vector of row n, dequantized.
+template <typename F>
+inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
+  const uint8_t* row = w.codes + n * w.row_bytes;
+  const float* srow = w.scales + n * w.groups;
+  const float* mrow = w.mins ? w.mins + n * w.groups : nullptr;
+  const float factor = w.kind == kFp8 ? kFp8Factor : 1.0f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    VecF s = vset1(srow[g] * factor);
+    VecF m = mrow ? vset1(mrow[g]) : vzero();
+    const int64_t k_begin = g * w.group, k_end = k_begin + w.group;
+    if (w.kind == kInt4) {
+      for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
+        VecF q[32 / kLanes];
+        load_int4_block(row + k0 / 2, q);
+        for (int64_t i = 0; i < 32 / kLanes; ++i) f(k0 + i * kLanes, vfma(q[i], s, m));
+      }
+    } else if (w.kind == kInt8) {
+      const int8_t* r = reinterpret_cast<const int8_t*>(row);
+      for (int64_t k = k_begin; k < k_end; k += kLanes) f(k, vfma(load_int8(r + k), s, m));
+    } else {
+      for (int64_t k = k_begin; k < k_end; k += kLanes) f(k, vfma(load_fp8(row + k), s, m));
+    }
+  }
+}
+#endif
+
+// out[m, n] for rows m0..m0+rows of x and output rows n0..n1.
+void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t rows, int64_t n0,
+                 int64_t n1, float* out, int64_t n_total, float* scratch) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (w.group % kLanes == 0) {
+    const float* xr[kRows];
+    for (int64_t i = 0; i < rows; ++i) xr[i] = x + (m0 + i) * k;
+    for (int64_t n = n0; n < n1; ++n) {
+      VecF acc[kRows];
+      for (int64_t i = 0; i < kRows; ++i) acc[i] = vzero();
+      switch (rows) {  // the row count as a constant, so the inner loop unrolls
+#define KVTIDE_ROWS_CASE(R)                                                           \
+  case R:                                                                             \
+    for_each_weight_vector(w, n, [&](int64_t kk, VecF wv) {                          \
+      for (int64_t i = 0; i < R; ++i) acc[i] = vfma(vload(xr[i] + kk), wv, acc[i]); \
+    });                                                                               \
+    break;
+        KVTIDE_ROWS_CASE(1)
+        KVTIDE_ROWS_CASE(2)
+        KVTIDE_ROWS_CASE(3)
+        KVTIDE_ROWS_CASE(4)
+#undef KVTIDE_ROWS_CASE
+      }
+      for (int64_t i = 0; i < rows; ++i) out[(m0 + i) * n_total + n] = vsum(acc[i]);
+    }
+    return;
+  }
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row_scalar(w, n, k, scratch);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* xi = x + (m0 + i) * k;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < k; ++j) acc += xi[j] * scratch[j];
+      out[(m0 + i) * n_total + n] = acc;
+    }
+  }
+}
+
+Weight make_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                   int64_t kind, int64_t group_size, int64_t k) {
+  TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8, "unknown quantized kind ", kind);
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, "group size must divide K");
+  TORCH_CHECK(kind != kInt4 || group_size % 32 == 0, "int4 groups must be multiples of 32");
+  const int64_t row_bytes = kind == kInt4 ? k / 2 : k;
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == row_bytes && codes.element_size() == 1,
+              "codes must be one byte per element with ", row_bytes, " bytes per row");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && scales.size(1) == groups,
+              "scales must be (N, K / group)");
+  const float* mins_ptr = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(),
+                "mins must be float32 like scales");
+    mins_ptr = mins->data_ptr<float>();
+  }
+  return Weight{static_cast<const uint8_t*>(codes.data_ptr()), row_bytes, scales.data_ptr<float>(), mins_ptr,
+                groups, group_size, kind};
+}
+
+void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t kind, int64_t group_size) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "x and out must be float32");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x and out must be contiguous 2-D");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be (M, N)");
+  const Weight w = make_weight(codes, scales, mins, kind, group_size, k);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Chunks of output rows: several per thread so uneven cores even out, each at least 16 rows.
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(16, (n + threads * 4 - 1) / (threads * 4));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> scratch(k);
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      linear_tile(w, xp, k, m0, std::min(kRows, m - m0), n0, n1, op, n, scratch.data());
+    }
+  });
+}
+
+void dequantize_rows(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t kind, int64_t group_size) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "out: float32 (N, K)");
+  const int64_t n = out.size(0), k = out.size(1);
+  TORCH_CHECK(codes.size(0) == n, "codes and out differ in rows");
+  const Weight w = make_weight(codes, scales, mins, kind, group_size, k);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      if (w.group % kLanes == 0) {
+        float* row = op + r * k;
+        for_each_weight_vector(w, r, [&](int64_t kk, VecF wv) { vstore(row + kk, wv); });
+        continue;
+      }
+#endif
+      dequant_row_scalar(w, r, k, op + r * k);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace KVTIDE_OPS_NS
+
+KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
+  m.def("quantized_linear(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "int group_size) -> ()",
+        &KVTIDE_OPS_NS::quantized_linear);
+  m.def("dequantize_rows(Tensor(a!) out, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "int group_size) -> ()",
+        &KVTIDE_OPS_NS::dequantize_rows);
+}

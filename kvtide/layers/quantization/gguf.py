@@ -1,0 +1,108 @@
+"""GGUF checkpoints kept quantized: each linear (and the token table) keeps its ggml blocks' codes
+in the engine's QuantizedWeight layout instead of being dequantized to float at load.
+
+Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q8_0, Q5_K -> int8 in groups of 32;
+Q6_K -> int8 in groups of 16 (gguf_codecs.py decodes the blocks). F32/F16/BF16 tensors stay float.
+A fused layer whose shards come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K)
+takes the widest kind and the finest group of its shards, with each shard promoted to it
+(qweight.promote), so the fused projection stays one kernel call.
+
+The iterator (models/gguf_checkpoint.py) yields for a kept-quantized tensor `<module>.gguf_codes`,
+`.gguf_scales` and `.gguf_mins` in the layer's chosen layout; the parameters here receive them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, drop_parameters, quant_parameter
+from kvtide.layers.quantization.qweight import QuantizedWeight
+from kvtide.layers.quantization.weight_only import WeightOnlyMethod
+
+FORMATS = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q4_K": ("int4", 32),
+           "Q8_0": ("int8", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16)}
+"""GGUF tensor type -> (kind, group size) it is kept in."""
+HAS_MINS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+PARAMS = ("gguf_codes", "gguf_scales", "gguf_mins")
+
+
+def layer_format(types: list[str]) -> tuple[str, int, bool] | None:
+    """(kind, group size, has mins) one fused layer keeps its shards of these types in; None: float
+    (a layer with any float shard, or a type kvtide only dequantizes)."""
+    if not types or any(t not in FORMATS for t in types):
+        return None
+    kinds = {FORMATS[t][0] for t in types}
+    kind = "int8" if "int8" in kinds else "int4"
+    group = min(FORMATS[t][1] for t in types)
+    # int4 shards promoted into int8 carry their shift of 8 in the mins.
+    mins = any(t in HAS_MINS for t in types) or (kind == "int8" and "int4" in kinds)
+    return kind, group, mins
+
+
+class GGUFMethod(WeightOnlyMethod):
+    def __init__(self, kind: str, group_size: int, has_mins: bool) -> None:
+        self.kind, self.group_size, self.has_mins = kind, group_size, has_mins
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, k = layer.weight.shape
+        codes_cols = k // 2 if self.kind == "int4" else k
+        dtype = torch.uint8 if self.kind == "int4" else torch.int8
+        quant_parameter(layer, "gguf_codes", (n, codes_cols), dtype)
+        quant_parameter(layer, "gguf_scales", (n, k // self.group_size), torch.float32)
+        if self.has_mins:
+            quant_parameter(layer, "gguf_mins", (n, k // self.group_size), torch.float32)
+        layer.weight_shape = (n, k)
+        drop_parameters(layer, "weight")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
+        n, k = layer.weight_shape
+        mins = layer.gguf_mins.data if self.has_mins else None
+        qw = QuantizedWeight(self.kind, layer.gguf_codes.data, layer.gguf_scales.data, mins, self.group_size, n, k)
+        drop_parameters(layer, *PARAMS)
+        return qw
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def __init__(self, tensor_types: dict[str, str]) -> None:
+        self.tensor_types = tensor_types
+        """transformers tensor name (model.layers.0.self_attn.q_proj.weight) -> GGUF type."""
+        self.tensor_formats: dict[str, tuple[str, int, bool]] = {}
+        """Filled by method_for: checkpoint tensor name -> the layout its layer keeps it in."""
+        self.shard_names: dict[str, dict[object, str]] = {}
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> GGUFConfig:
+        from kvtide.models.gguf_checkpoint import gguf_tensor_types
+
+        return cls(gguf_tensor_types(qc["model_dir"]))
+
+    def bind_model(self, model: nn.Module) -> None:
+        """Learn which checkpoint modules each fused layer gathers (the model's packed_modules_mapping)."""
+        for ckpt, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items():
+            self.shard_names.setdefault(fused, {})[shard] = ckpt
+
+    def _checkpoint_tensors(self, prefix: str, layer: nn.Module) -> list[str]:
+        parent, _, leaf = prefix.rpartition(".")
+        shards = self.shard_names.get(leaf)
+        if shards is None:
+            names = [f"{prefix}.weight"]
+        else:
+            names = [f"{parent}.{shards[s]}.weight" for s in layer.shard_ids]
+        if prefix == "lm_head":
+            return ["lm_head.weight"]
+        return [f"model.{name}" for name in names]
+
+    def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
+        names = self._checkpoint_tensors(prefix, layer)
+        fmt = layer_format([self.tensor_types.get(name, "missing") for name in names])
+        if fmt is None:
+            return None
+        for name in names:
+            self.tensor_formats[name] = fmt
+        return GGUFMethod(*fmt)

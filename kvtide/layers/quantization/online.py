@@ -1,0 +1,88 @@
+"""On-the-fly quantization of a float checkpoint at load: int8, int4 and fp8 weight-only.
+
+The float weights load as usual; each linear (and the LM head, which on small models is a fifth of
+the bytes a decode step reads, as llama.cpp's quantizers also do) is then quantized and its float
+copy freed:
+  int8  symmetric, one scale per output channel (max|w| / 127)
+  int4  asymmetric per group of --quantization-group-size input columns (32, 64 or 128; default 128)
+  fp8   float8_e4m3fn with one scale per output channel (max|w| / 448); weight-only on CPU, FP8
+        activations through torch._scaled_mm on CUDA devices that have FP8 matmul (sm_89+)
+A tied embedding shares the LM head's quantized table (looked up row by row); an untied one stays
+float (a lookup reads one row per token, not the table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod
+from kvtide.layers.quantization.qweight import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
+from kvtide.layers.quantization.weight_only import WeightOnlyMethod
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+class OnlineWeightOnlyMethod(WeightOnlyMethod):
+    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+        self.quantize = quantize
+
+    def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
+        return self.quantize(layer.weight.data)
+
+
+def quantizes(prefix: str, layer: nn.Module) -> bool:
+    """Linears and the LM head; the embedding only when the LM head shares it (tied)."""
+    from kvtide.layers.embedding import LMHead, VocabEmbedding
+    from kvtide.layers.linear import LinearBase
+
+    if isinstance(layer, LinearBase | LMHead):
+        return True
+    return isinstance(layer, VocabEmbedding) and getattr(layer, "tied_lm_head", False)
+
+
+class Int8Config(QuantizationConfig):
+    name = "int8"
+
+    def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
+        return OnlineWeightOnlyMethod(quantize_int8) if quantizes(prefix, layer) else None
+
+
+class Int4Config(QuantizationConfig):
+    name = "int4"
+
+    def __init__(self, group_size: int | None = None) -> None:
+        self.group_size = group_size or 128
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                             f"got {self.group_size}")
+
+    def check_model(self, hf_config) -> None:
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        for what, size in (("hidden_size", hf_config.hidden_size),
+                           ("intermediate_size", getattr(hf_config, "intermediate_size", hf_config.hidden_size)),
+                           ("num_attention_heads * head_dim", hf_config.num_attention_heads * head_dim)):
+            if size % self.group_size:
+                raise ValueError(f"int4 group size {self.group_size} does not divide the model's {what} "
+                                 f"({size}); pick --quantization-group-size from "
+                                 f"{', '.join(str(g) for g in INT4_GROUP_SIZES if size % g == 0) or 'none'}")
+
+    def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
+        group = self.group_size
+        return OnlineWeightOnlyMethod(lambda w: quantize_int4(w, group)) if quantizes(prefix, layer) else None
+
+    def describe(self) -> str:
+        return f"int4 g{self.group_size}"
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
+        if not quantizes(prefix, layer):
+            return None
+        from kvtide.layers.quantization.fp8_method import Fp8Method
+
+        return Fp8Method(lambda layer: quantize_fp8(layer.weight.data))
