@@ -46,7 +46,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -56,12 +56,6 @@ from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
 from kvtide.sampling_params import SamplingParams
 
-QUANTIZATION_FIELD = "quantization"
-"""The EngineArgs field that selects a weight quantization (None: the checkpoint's weights as they are)."""
-
-
-def has_quantization_field() -> bool:
-    return QUANTIZATION_FIELD in {f.name for f in fields(EngineArgs)}
 
 
 @dataclass
@@ -135,8 +129,12 @@ def plan_windows(num_tokens: int, context_length: int, bos: bool, stride: int | 
 
 def describe(args: EngineArgs, dtype: torch.dtype) -> str:
     """A configuration's label: its dtype as loaded, and its quantization when it has one."""
-    quantization = getattr(args, QUANTIZATION_FIELD, None)
-    return str(dtype).removeprefix("torch.") + (f", quantization={quantization}" if quantization else "")
+    label = str(dtype).removeprefix("torch.")
+    if args.quantization:
+        label += f", quantization={args.quantization}"
+        if args.quantization_group_size:
+            label += f" g{args.quantization_group_size}"
+    return label
 
 
 def _tokenize(args: EngineArgs, model_dir: str, text: str, max_tokens: int) -> tuple[list[int], int | None]:
@@ -203,12 +201,21 @@ def evaluate_quality(engine_args: EngineArgs, text: str, reference_args: EngineA
                      context_length: int = 512, max_tokens: int = 2048, stride: int | None = None) -> QualityReport:
     """Perplexity of `engine_args` on `text`, and its KL / top-1 agreement to `reference_args`
     (default: the same arguments in float32 without quantization). See the module docstring."""
+    return evaluate_configurations([engine_args], text, reference_args, context_length, max_tokens, stride)[0]
+
+
+def evaluate_configurations(configurations: list[EngineArgs], text: str, reference_args: EngineArgs | None = None,
+                            context_length: int = 512, max_tokens: int = 2048, stride: int | None = None
+                            ) -> list[QualityReport]:
+    """evaluate_quality for several configurations of one model against one reference, which runs
+    once (default: the first configuration in float32 without quantization). The tokens scored are
+    those of the first configuration's tokenizer."""
     check_quality_args(text, context_length, max_tokens, stride)
+    first = configurations[0]
     if reference_args is None:
-        unquantized = {QUANTIZATION_FIELD: None} if has_quantization_field() else {}
-        reference_args = engine_args.replace(dtype="float32", **unquantized)
-    # Both configurations score the same tokens: those of the evaluated configuration's tokenizer.
-    token_ids, bos = _tokenize(engine_args, engine_args.resolve_model_dir(), text, max_tokens)
+        reference_args = first.replace(dtype="float32", quantization=None, quantization_group_size=None,
+                                       calibration_data=None)
+    token_ids, bos = _tokenize(first, first.resolve_model_dir(), text, max_tokens)
     span = context_length - (bos is not None)  # text tokens per window
     stride = span if stride is None else min(stride, span)
     windows = plan_windows(len(token_ids), context_length, bos is not None, stride)
@@ -217,6 +224,7 @@ def evaluate_quality(engine_args: EngineArgs, text: str, reference_args: EngineA
                          f"no BOS needs 2)")
     num_scored = sum(w.end - w.first_scored for w in windows)
 
+    reports = []
     with tempfile.TemporaryDirectory(prefix="kvtide-quality-") as tmp:
         # Pass 1: the reference, its log-probs to disk.
         runner = _load_runner(reference_args, context_length)
@@ -231,31 +239,33 @@ def evaluate_quality(engine_args: EngineArgs, text: str, reference_args: EngineA
         del runner
         _free_memory()
 
-        # Pass 2: the configuration under test, against the reference one window at a time.
-        runner = _load_runner(engine_args, context_length)
-        label = describe(engine_args, runner.config.model_config.dtype)
-        if runner.vocab_size != reference.shape[1]:
-            raise ValueError(f"the reference has a vocabulary of {reference.shape[1]} tokens, the configuration "
-                             f"{runner.vocab_size}: compare configurations of the same model")
-        nll = kl_sum = max_kl = 0.0
-        agree = row = 0
-        for log_probs, targets in _window_log_probs(runner, token_ids, windows, bos):
-            ref = torch.from_numpy(np.asarray(reference[row:row + len(targets)])).to(log_probs.device)
-            kl = (ref.exp() * (ref - log_probs)).sum(dim=-1)  # KL(reference || configuration) per position
-            kl_sum += float(kl.sum(dtype=torch.float64))
-            max_kl = max(max_kl, float(kl.max()))
-            agree += int((ref.argmax(dim=-1) == log_probs.argmax(dim=-1)).sum())
-            nll += _nll(log_probs, targets)
-            row += len(targets)
-        del runner, reference
-        _free_memory()
-
-    return QualityReport(
-        model=engine_args.model, configuration=label, reference=reference_label, context_length=context_length,
-        stride=stride, max_tokens=max_tokens, bos=bos is not None, num_windows=len(windows),
-        tokens_scored=num_scored, perplexity=math.exp(nll / num_scored),
-        reference_perplexity=math.exp(ref_nll / num_scored), mean_kl=kl_sum / num_scored, max_kl=max_kl,
-        top1_agreement=agree / num_scored)
+        # Pass 2: each configuration under test, against the reference one window at a time.
+        for engine_args in configurations:
+            runner = _load_runner(engine_args, context_length)
+            label = describe(engine_args, runner.config.model_config.dtype)
+            if runner.vocab_size != reference.shape[1]:
+                raise ValueError(f"the reference has a vocabulary of {reference.shape[1]} tokens, the configuration "
+                                 f"{runner.vocab_size}: compare configurations of the same model")
+            nll = kl_sum = max_kl = 0.0
+            agree = row = 0
+            for log_probs, targets in _window_log_probs(runner, token_ids, windows, bos):
+                ref = torch.from_numpy(np.asarray(reference[row:row + len(targets)])).to(log_probs.device)
+                kl = (ref.exp() * (ref - log_probs)).sum(dim=-1)  # KL(reference || configuration) per position
+                kl_sum += float(kl.sum(dtype=torch.float64))
+                max_kl = max(max_kl, float(kl.max()))
+                agree += int((ref.argmax(dim=-1) == log_probs.argmax(dim=-1)).sum())
+                nll += _nll(log_probs, targets)
+                row += len(targets)
+            del runner
+            _free_memory()
+            reports.append(QualityReport(
+                model=engine_args.model, configuration=label, reference=reference_label,
+                context_length=context_length, stride=stride, max_tokens=max_tokens, bos=bos is not None,
+                num_windows=len(windows), tokens_scored=num_scored, perplexity=math.exp(nll / num_scored),
+                reference_perplexity=math.exp(ref_nll / num_scored), mean_kl=kl_sum / num_scored, max_kl=max_kl,
+                top1_agreement=agree / num_scored))
+        del reference
+    return reports
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -270,20 +280,16 @@ def add_quality_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, default=None,
                         help="text tokens between window starts (default: a whole window, no overlap)")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--reference-model", default=None,
+                        help="the reference's checkpoint (default: --model), e.g. a float32 export of a GGUF, "
+                             "whose own quantization the engine keeps")
     group = parser.add_argument_group("engine (kvtide; the configuration under test)")
     EngineArgs.add_cli_args(group, skip=("model",))
-    if not has_quantization_field():  # accepted, and refused with a reason, until EngineArgs has it
-        group.add_argument("--quantization", default=None, help="weight quantization (not in this build yet)")
 
 
-def _quantization(value: str | None, flag: str) -> dict:
-    """The EngineArgs keyword for a --quantization-style flag ('none' and None: no quantization)."""
-    value = None if value is None or value.lower() == "none" else value
-    if has_quantization_field():
-        return {QUANTIZATION_FIELD: value}
-    if value is not None:
-        raise ValueError(f"{flag} {value}: this build's EngineArgs has no '{QUANTIZATION_FIELD}' field yet")
-    return {}
+def _quantization(value: str | None) -> dict:
+    """The EngineArgs keywords for a --quantization-style flag ('none' and None: no quantization)."""
+    return {"quantization": None if value is None or value.lower() == "none" else value}
 
 
 def quality_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, EngineArgs, str]:
@@ -294,10 +300,11 @@ def quality_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, EngineA
         text = f.read()
     check_quality_args(text, args.context_length, args.max_tokens, args.stride)
     kwargs = engine_kwargs_from_args(args)
-    kwargs.update(_quantization(getattr(args, QUANTIZATION_FIELD, None), "--quantization"))
+    kwargs.update(_quantization(args.quantization))
     engine_args = EngineArgs(model=args.model, **kwargs)
-    reference = engine_args.replace(dtype=args.reference_dtype,
-                                    **_quantization(args.reference_quantization, "--reference-quantization"))
+    reference = engine_args.replace(model=args.reference_model or args.model, dtype=args.reference_dtype,
+                                    quantization_group_size=None, calibration_data=None,
+                                    **_quantization(args.reference_quantization))
     return engine_args, reference, text
 
 

@@ -125,18 +125,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_quantization_flags_reach_engine_args(tmp_path):
-    """--quantization goes to EngineArgs' field as given; the reference's 'none' is no quantization.
-    Until EngineArgs has the field, a quantization is refused with the reason."""
+    """--quantization goes to EngineArgs' field as given; the reference's 'none' is no quantization,
+    on --reference-model when given."""
     text_file = tmp_path / "t.txt"
     text_file.write_text(TEXT)
-    args = _parse(["--model", "demo", "--text", str(text_file), "--quantization", "int8"])
-    if not quality.has_quantization_field():
-        with pytest.raises(ValueError, match="no 'quantization' field"):
-            quality.quality_args_from_cli(args)
-        return
+    args = _parse(["--model", "demo", "--text", str(text_file), "--quantization", "int4",
+                   "--quantization-group-size", "32", "--reference-model", "other"])
     engine_args, reference, _ = quality.quality_args_from_cli(args)
-    assert engine_args.quantization == "int8" and reference.quantization is None
-    assert reference.dtype == "float32"
+    assert (engine_args.quantization, engine_args.quantization_group_size) == ("int4", 32)
+    assert reference.quantization is None and reference.quantization_group_size is None
+    assert reference.dtype == "float32" and reference.model == "other"
 
 
 @pytest.mark.parametrize("case, message", [
