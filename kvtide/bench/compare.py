@@ -14,18 +14,45 @@ by kvtide's from the same repeat; the table gives each ratio's min/median/max ov
 
 The `serve` workload runs `kvtide bench serve` against each engine's OpenAI-compatible server: the
 URLs given (--kvtide-url, --vllm-url, --llamacpp-url) or, with --launch-servers, servers started here.
+
+Variants: `--engines` also takes ENGINE:VARIANT, several configurations of one engine side by side,
+each its own worker (server) and its own label in tables and JSON:
+
+    kvtide bench compare --engines kvtide,kvtide:int8,kvtide:int4-g32,kvtide:gguf,llamacpp,llamacpp:Q4_0
+
+  kvtide:int8, kvtide:fp8, kvtide:w8a8   the checkpoint quantized at load (--quantization NAME)
+  kvtide:int4, kvtide:int4-g32           int4, default group size or 32 (also g64, g128)
+  kvtide:gguf                            kvtide on the GGUF plain llamacpp gets (--gguf), kept quantized;
+                                         without --gguf the float32 conversion (a warning says so)
+  llamacpp:Q8_0, :Q4_0, :Q4_1, :Q4_K_M   llama.cpp on that GGUF made by llama.cpp's own quantizer
+                                         from the float GGUF (cached beside it as <name>-<TYPE>.gguf;
+                                         a quantized --gguf is refused, requantizing loses quality)
+
+Ratios divide by plain `kvtide` (the float baseline), or by the first kvtide entry when plain kvtide
+is not in the list; greedy agreement compares every engine's tokens with that base's (quantized
+variants are expected to differ). The variant's own settings are merged over the EngineArgs flags
+given here, which describe plain `kvtide`; with kvtide variants in the list --quantization and
+--quantization-group-size are refused (plain kvtide stays the float baseline: name the configuration
+as a variant instead) and --calibration-data goes to kvtide:w8a8. The summary JSON's `variants` records
+each label's configuration (quantization, group size, GGUF type and path) and the weight bytes the
+worker reports (kvtide: the model's tensors as held; llama.cpp: llama_model_size). In the serve
+workload variants have no URL flags: they run on servers launched here (--launch-servers).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 from kvtide.bench import peers
 from kvtide.bench.common import (
@@ -51,12 +78,138 @@ FIGURES = {
               ("request_goodput", "goodput req/s", True)],
 }
 ALL_ENGINES = ("kvtide", "hf", "vllm", "llamacpp")
+KVTIDE_VARIANTS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8", "w8a8", "gguf")
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEntry:
+    """One worker of a comparison: an engine and, for ENGINE:VARIANT, the configuration it runs."""
+
+    label: str  # in tables and JSON: kvtide, kvtide:int8, llamacpp:Q4_0
+    engine: str  # the adapter (engines.py): kvtide, hf, vllm, llamacpp
+    variant: str | None = None
+    quantization: str | None = None  # kvtide: the method it quantizes the checkpoint with at load
+    group_size: int | None = None  # kvtide int4; None: the engine's default
+    gguf_type: str | None = None  # llamacpp: the type llama.cpp quantizes the float GGUF to
+    from_gguf: bool = False  # kvtide:gguf: the model is the GGUF file llama.cpp gets
+
+
+def parse_engine(text: str) -> EngineEntry:
+    """`kvtide`, `kvtide:int4-g32`, `llamacpp:Q4_K_M` ... as an EngineEntry; ValueError naming the
+    choices for anything else, so a typo stops the run before any worker starts."""
+    name, sep, variant = text.strip().partition(":")
+    engine = name.strip().lower()
+    if engine not in ALL_ENGINES:
+        raise ValueError(f"--engines: unknown engine {text!r}; choose from {', '.join(ALL_ENGINES)} "
+                         f"(variants: {_variant_help()})")
+    if not sep:
+        return EngineEntry(engine, engine)
+    variant = variant.strip()
+    if engine == "kvtide":
+        v = variant.lower().replace("_", "-")
+        if v not in KVTIDE_VARIANTS:
+            raise ValueError(f"--engines: unknown kvtide variant {text!r}; choose from "
+                             f"{', '.join('kvtide:' + k for k in KVTIDE_VARIANTS)}")
+        if v == "gguf":
+            return EngineEntry(f"kvtide:{v}", "kvtide", v, from_gguf=True)
+        method, _, group = v.partition("-g")
+        return EngineEntry(f"kvtide:{v}", "kvtide", v, quantization=method, group_size=int(group) if group else None)
+    if engine == "llamacpp":
+        t = variant.upper()
+        if t not in peers.LLAMACPP_QUANT_TYPES:
+            raise ValueError(f"--engines: unknown llama.cpp type {text!r}; choose from "
+                             f"{', '.join('llamacpp:' + k for k in peers.LLAMACPP_QUANT_TYPES)}")
+        return EngineEntry(f"llamacpp:{t}", "llamacpp", t, gguf_type=t)
+    raise ValueError(f"--engines: {engine} has no variants ({text!r}); variants: {_variant_help()}")
+
+
+def _variant_help() -> str:
+    return f"kvtide:{{{','.join(KVTIDE_VARIANTS)}}}, llamacpp:{{{','.join(peers.LLAMACPP_QUANT_TYPES)}}}"
+
+
+def base_label(entries: list[EngineEntry]) -> str | None:
+    """The entry every ratio divides by: plain kvtide, else the first kvtide entry (None: no ratios)."""
+    labels = [e.label for e in entries]
+    if "kvtide" in labels:
+        return "kvtide"
+    return next((e.label for e in entries if e.engine == "kvtide"), None)
+
+
+def check_quantization_flags(args, entries: list[EngineEntry]) -> None:
+    """With kvtide variants, the EngineArgs quantization flags would make plain kvtide (the
+    baseline) quantized too, under a label that does not say so: refuse them; --calibration-data
+    is the one a variant name cannot carry, and goes to kvtide:w8a8."""
+    variants = [e for e in entries if e.engine == "kvtide" and e.variant]
+    if not variants:
+        return
+    given = [flag for flag, value in (("--quantization", getattr(args, "quantization", None)),
+                                      ("--quantization-group-size", getattr(args, "quantization_group_size", None)))
+             if value is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} with kvtide variants in --engines: plain kvtide is the float "
+                         f"baseline; name each configuration as a variant instead (kvtide:int8, kvtide:int4-g32)")
+    if getattr(args, "calibration_data", None) and not any(e.quantization == "w8a8" for e in variants):
+        raise ValueError("--calibration-data with kvtide variants applies to kvtide:w8a8, which --engines lacks")
+
+
+def engine_kwargs_for(entry: EngineEntry, cli_kwargs: dict, variants_listed: bool = False) -> dict:
+    """The EngineArgs fields a kvtide entry's worker loads with: the CLI's, with the variant's
+    quantization fields over them (all three set, so nothing of another configuration leaks in).
+    `variants_listed`: kvtide variants are in the list, so --calibration-data is kvtide:w8a8's."""
+    kwargs = dict(cli_kwargs)
+    if entry.engine != "kvtide":
+        return kwargs
+    if not entry.variant:
+        if variants_listed:
+            kwargs.pop("calibration_data", None)
+        return kwargs
+    kwargs["quantization"] = entry.quantization  # kvtide:gguf: None, the engine reads the file's types
+    kwargs["quantization_group_size"] = entry.group_size
+    kwargs["calibration_data"] = cli_kwargs.get("calibration_data") if entry.quantization == "w8a8" else None
+    for key in ("quantization", "quantization_group_size", "calibration_data"):
+        if kwargs[key] is None:
+            del kwargs[key]
+    return kwargs
+
+
+def variant_record(entry: EngineEntry, cli_kwargs: dict) -> dict:
+    """What summary['variants'][label] says of an entry before it runs (GGUF facts added later)."""
+    kwargs = engine_kwargs_for(entry, cli_kwargs) if entry.engine == "kvtide" else {}
+    method = kwargs.get("quantization")
+    group = kwargs.get("quantization_group_size")
+    if method == "int4" and group is None:
+        from kvtide.layers.quantization.online import Int4Config
+
+        group = Int4Config().group_size
+    return {"engine": entry.engine, "variant": entry.variant, "quantization": method, "group_size": group,
+            "gguf_type": entry.gguf_type, "gguf_path": None}
+
+
+@functools.cache
+def gguf_weight_type(path: str) -> tuple[str, bool]:
+    """(type as llama.cpp names a file's, e.g. F32, Q4_1, Q4_K_M; whether every matrix is float)."""
+    from gguf import LlamaFileType
+
+    from kvtide.models.gguf_checkpoint import open_gguf
+
+    reader = open_gguf(path)
+    matrices = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    is_float = all(t in FLOAT_GGUF_TYPES for t in matrices)
+    field = reader.fields.get("general.file_type")
+    try:
+        name = LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (AttributeError, TypeError, ValueError):  # no general.file_type: the commonest matrix type
+        name = matrices.most_common(1)[0][0] if matrices else "?"
+    return name, is_float
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bench checkpoint)")
     parser.add_argument("--engines", default=None,
-                        help="comma list from kvtide,hf,vllm,llamacpp (default: kvtide, hf and installed peers)")
+                        help="comma list from kvtide,hf,vllm,llamacpp and variants ENGINE:VARIANT (kvtide:int8, "
+                             "kvtide:int4-g32, kvtide:fp8, kvtide:w8a8, kvtide:gguf, llamacpp:Q8_0, llamacpp:Q4_K_M, "
+                             "...; see the module docstring) (default: kvtide, hf and installed peers)")
     parser.add_argument("--workloads", default="throughput,latency", help="comma list: throughput,latency,serve")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--input-len", type=int, default=128, help="throughput/serve prompt tokens")
@@ -74,7 +227,9 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llamacpp-python", default=None,
                         help="python of a llama-cpp-python venv (default: $KVTIDE_PEERS_DIR/llamacpp)")
     parser.add_argument("--convert-script", default=None, help="llama.cpp's convert_hf_to_gguf.py")
-    parser.add_argument("--gguf", default=None, help="GGUF of the checkpoint (default: converted and cached)")
+    parser.add_argument("--gguf", default=None,
+                        help="GGUF of the checkpoint for llamacpp and kvtide:gguf; llamacpp:TYPE quantizes it, "
+                             "which must then be F32/F16/BF16 (default: converted to float32 and cached)")
     parser.add_argument("--vllm-kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--run-timeout", type=float, default=1800.0)
@@ -111,21 +266,34 @@ def ratio_stats(values: dict[str, list[float]], base: str = "kvtide") -> dict[st
 
 def format_table(summary: dict) -> str:
     lines = [format_machine(summary["machine"])] if "machine" in summary else []
+    base = summary.get("base", "kvtide")
+    width = max([10] + [len(e) + 2 for figures in summary["figures"].values() for stats in figures.values()
+                        for e in stats])
+    ratio_header = f"ratio to {base}: min / median / max"
+    ratio_width = max(40, len(ratio_header) + 2)
     for workload, figures in summary["figures"].items():
         lines.append(f"== {workload} ==")
         for key, stats in figures.items():
             label, higher = next((lab, h) for k, lab, h in FIGURES[workload] if k == key)
             lines.append(f"  {label} ({'higher' if higher else 'lower'} is better)")
-            lines.append(f"    {'engine':<10}{'median':>12}{'ratio to kvtide: min / median / max':>40}")
+            lines.append(f"    {'engine':<{width}}{'median':>12}{ratio_header:>{ratio_width}}")
             for engine, s in stats.items():
                 med = f"{s['median']:.2f}" if s["median"] is not None else "-"
                 ratio = (f"{s['ratio_min']:.2f} / {s['ratio_median']:.2f} / {s['ratio_max']:.2f}"
                          if "ratio_median" in s else "-")
-                lines.append(f"    {engine:<10}{med:>12}{ratio:>40}")
+                lines.append(f"    {engine:<{width}}{med:>12}{ratio:>{ratio_width}}")
+    variants = summary.get("variants", {})
     for engine, info in summary["engines"].items():
         version = f"{info['version']}, " if info.get("version") else ""
         state = f"{version}ready in {info['startup_s']:.1f} s" if info.get("ok") else \
             f"skipped: {info.get('error', '')[:300]}"
+        if info.get("ok") and info.get("weight_bytes"):
+            state += f", weights {info['weight_bytes'] / 2**20:.1f} MiB"
+        variant = variants.get(engine.removesuffix("-server"), {})
+        if variant.get("gguf_path"):
+            state += f", GGUF {variant['gguf_type']} ({variant['gguf_path']})"
+        if variant.get("warning"):
+            state += f"; WARNING {variant['warning']}"
         lines.append(f"{engine}: {state}")
     for engine, results in summary["raw"].get("serve", {}).items():
         short = sum(r.get("num_short_outputs") or 0 for r in results)
@@ -133,24 +301,34 @@ def format_table(summary: dict) -> str:
             lines.append(f"{engine}: WARNING {short} serve outputs ended before max_tokens (EOS not ignored): "
                          f"its token rates are not comparable")
     for engine, agree in summary.get("greedy_agreement", {}).items():
-        lines.append(f"{engine}: greedy tokens identical to kvtide's for {agree['identical']}/{agree['of']} requests "
+        lines.append(f"{engine}: greedy tokens identical to {base}'s for {agree['identical']}/{agree['of']} requests "
                      f"(mean common prefix {agree['mean_common_prefix']:.1f})")
     return "\n".join(lines)
 
 
-def _engine_list(args) -> list[str]:
+def _engine_list(args) -> list[EngineEntry]:
+    """--engines parsed and checked (unknown names and variants, repeats, quantization flags that
+    would change the baseline): every error before any worker starts."""
     if args.engines:
-        engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-        bad = [e for e in engines if e not in ALL_ENGINES]
-        if bad:
-            raise ValueError(f"--engines: unknown {bad}; choose from {', '.join(ALL_ENGINES)}")
-        return engines
-    engines = ["kvtide", "hf"]
-    if args.vllm_python or args.vllm_url:
-        engines.append("vllm")
-    if args.llamacpp_python or args.llamacpp_url:
-        engines.append("llamacpp")
-    return engines
+        entries = [parse_engine(e) for e in args.engines.split(",") if e.strip()]
+        repeated = [label for label, n in Counter(e.label for e in entries).items() if n > 1]
+        if repeated:
+            raise ValueError(f"--engines: {', '.join(repeated)} given more than once")
+    else:
+        names = ["kvtide", "hf"]
+        if args.vllm_python or args.vllm_url:
+            names.append("vllm")
+        if args.llamacpp_python or args.llamacpp_url:
+            names.append("llamacpp")
+        entries = [EngineEntry(n, n) for n in names]
+    check_quantization_flags(args, entries)
+    if getattr(args, "gguf", None) and any(e.gguf_type for e in entries):
+        kind, is_float = gguf_weight_type(os.path.abspath(args.gguf))
+        if not is_float:
+            raise ValueError(f"--gguf {args.gguf} is already quantized ({kind}): llamacpp:TYPE quantizes a float "
+                             f"GGUF (F32/F16/BF16), and requantizing a quantized one loses quality; give a float "
+                             f"GGUF, or leave out --gguf to convert the checkpoint")
+    return entries
 
 
 def round_seed(seed: int, repeat: int) -> int:
@@ -192,42 +370,100 @@ def latency_prompts_for(args, model_dir: str, vocab: int, count: int, seed: int)
 
 
 def _gguf_for(args, model_dir: str) -> str:
+    """The GGUF llama.cpp (and kvtide:gguf) run: --gguf, else the checkpoint converted to float32."""
     if args.gguf:
         return args.gguf
     script = args.convert_script or peers.default_convert_script(args.llamacpp_python)
     if not script:
         raise RuntimeError("no convert_hf_to_gguf.py found: pass --convert-script or --gguf")
+    if not args.llamacpp_python:
+        raise RuntimeError("converting the checkpoint to GGUF needs llama.cpp's python (--llamacpp-python) "
+                           "or a --gguf file")
     out = os.path.join(cache_root(), "bench-models", os.path.basename(os.path.normpath(model_dir)) + "-f32.gguf")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     return peers.convert_to_gguf(model_dir, args.llamacpp_python, script, out)
 
 
-def run_offline(args, engines: list[str], workloads: list[str], spec: dict, log_dir: str, summary: dict) -> None:
+def quantized_gguf_path(source: str, gguf_type: str) -> str:
+    """Where llamacpp:TYPE's GGUF is cached: beside the float one as <name>-<TYPE>.gguf (its -f32/-f16/
+    -bf16 suffix dropped), or in the bench cache when that directory is not writable."""
+    stem = re.sub(r"-(f32|f16|bf16)$", "", os.path.splitext(os.path.basename(source))[0], flags=re.IGNORECASE)
+    directory = os.path.dirname(os.path.abspath(source))
+    if not os.access(directory, os.W_OK):
+        directory = os.path.join(cache_root(), "bench-models")
+        os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{stem}-{gguf_type}.gguf")
+
+
+def gguf_for_entry(args, model_dir: str, entry: EngineEntry) -> tuple[str, str, str | None]:
+    """(GGUF path, its type, a warning or None) for a llamacpp or kvtide:gguf entry; RuntimeError
+    when the GGUF cannot be had (no converter, the quantizer failed): that entry is skipped."""
+    source = os.path.abspath(_gguf_for(args, model_dir))
+    if entry.gguf_type:
+        if not args.llamacpp_python:
+            raise RuntimeError(f"{entry.label}: quantizing a GGUF needs llama.cpp's python (--llamacpp-python)")
+        path = peers.quantize_gguf(source, quantized_gguf_path(source, entry.gguf_type), entry.gguf_type,
+                                   args.llamacpp_python, args.threads)
+        return path, entry.gguf_type, None
+    kind, is_float = gguf_weight_type(source)
+    warning = None
+    if entry.from_gguf and is_float:
+        warning = (f"{entry.label} runs {source}, a {kind} GGUF: float weights, not quantized (give a quantized "
+                   f"--gguf to measure kvtide on llama.cpp's quantized tensors)")
+        print(f"[compare] WARNING: {warning}", file=sys.stderr, flush=True)
+    return source, kind, warning
+
+
+def _record_gguf(summary: dict, entry: EngineEntry, path: str, kind: str, warning: str | None) -> None:
+    record = summary["variants"][entry.label]
+    record.update(gguf_path=path, gguf_type=kind)
+    if entry.from_gguf and kind not in FLOAT_GGUF_TYPES:
+        record["quantization"] = "gguf"  # what the engine detects from the file's tensor types
+    if warning:
+        record["warning"] = warning
+
+
+def _entry_spec(args, spec: dict, entry: EngineEntry, variants_listed: bool, summary: dict) -> dict:
+    """The worker spec of one entry: its engine kwargs and, for GGUF-reading entries, the GGUF
+    (RuntimeError: skipped); summary['variants'][label] gets the GGUF facts."""
+    engine_spec = dict(spec)
+    engine_spec["engine_kwargs"] = engine_kwargs_for(entry, spec["engine_kwargs"], variants_listed)
+    if entry.engine == "llamacpp" or entry.from_gguf:
+        path, kind, warning = gguf_for_entry(args, spec["model"], entry)
+        _record_gguf(summary, entry, path, kind, warning)
+        engine_spec["gguf" if entry.engine == "llamacpp" else "model"] = path
+    return engine_spec
+
+
+def run_offline(args, entries: list[EngineEntry], workloads: list[str], spec: dict, log_dir: str,
+                summary: dict) -> None:
     workers: dict[str, peers.EngineWorker] = {}
+    variants_listed = any(e.engine == "kvtide" and e.variant for e in entries)
     try:
-        for engine in engines:  # one at a time, so start-up figures are not contended
+        for entry in entries:  # one at a time, so start-up figures are not contended
+            label, engine = entry.label, entry.engine
             python = peers.python_for(engine, args.vllm_python, args.llamacpp_python)
             if python is None:
-                summary["engines"][engine] = {"ok": False, "error": f"no python for {engine} (--{engine}-python)"}
+                summary["engines"][label] = {"ok": False, "error": f"no python for {engine} (--{engine}-python)"}
                 continue
-            engine_spec = dict(spec)
-            if engine == "llamacpp":
-                try:
-                    engine_spec["gguf"] = _gguf_for(args, spec["model"])
-                except RuntimeError as e:
-                    summary["engines"][engine] = {"ok": False, "error": str(e)}
-                    continue
-            print(f"[compare] starting {engine} ...", file=sys.stderr, flush=True)
+            try:
+                engine_spec = _entry_spec(args, spec, entry, variants_listed, summary)
+            except (RuntimeError, ValueError) as e:
+                summary["engines"][label] = {"ok": False, "error": str(e)}
+                continue
+            print(f"[compare] starting {label} ...", file=sys.stderr, flush=True)
             try:
                 worker = peers.EngineWorker(engine, python, engine_spec,
-                                            peers.peer_env(engine, args.threads, args.vllm_kv_cache_gib), log_dir)
+                                            peers.peer_env(engine, args.threads, args.vllm_kv_cache_gib), log_dir,
+                                            label=label)
             except OSError as e:
-                summary["engines"][engine] = {"ok": False, "error": f"cannot start {python}: {e}"}
+                summary["engines"][label] = {"ok": False, "error": f"cannot start {python}: {e}"}
                 continue
             info = worker.wait_ready(args.startup_timeout)
-            summary["engines"][engine] = info
+            summary["engines"][label] = info
             if info.get("ok"):
-                workers[engine] = worker
+                workers[label] = worker
+                summary["variants"][label]["weight_bytes"] = info.get("weight_bytes")
             else:
                 worker.close()
         _measure_rounds(args, list(workers), workloads, summary,
@@ -261,9 +497,9 @@ def _measure_rounds(args, engines: list[str], workloads: list[str], summary: dic
                 result.pop("token_ids", None)
                 raw.setdefault(workload, {}).setdefault(engine, []).append(result)
                 time.sleep(args.pause)  # let the previous engine's threads go idle
-    if "kvtide" in tokens:
-        summary["greedy_agreement"] = {e: greedy_agreement(tokens["kvtide"], t)
-                                       for e, t in tokens.items() if e != "kvtide"}
+    base = summary.get("base", "kvtide")
+    if base in tokens:
+        summary["greedy_agreement"] = {e: greedy_agreement(tokens[base], t) for e, t in tokens.items() if e != base}
 
 
 def _summarize(summary: dict) -> None:
@@ -274,11 +510,24 @@ def _summarize(summary: dict) -> None:
             values = {e: [r.get(key) for r in results if r.get("ok", True) and r.get(key) is not None]
                       for e, results in per_engine.items()}
             if any(values.values()):  # goodput only when SLOs were given
-                figures[workload][key] = ratio_stats({e: v for e, v in values.items() if v})
+                figures[workload][key] = ratio_stats({e: v for e, v in values.items() if v},
+                                                     summary.get("base", "kvtide"))
     summary["figures"] = figures
 
 
-def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log_dir: str, summary: dict) -> None:
+def variant_server_flags(entry: EngineEntry) -> list[str]:
+    """`kvtide serve` flags of a kvtide variant (kvtide:gguf instead serves the GGUF file)."""
+    flags = []
+    if entry.engine == "kvtide" and entry.quantization:
+        flags += ["--quantization", entry.quantization]
+        if entry.group_size:
+            flags += ["--quantization-group-size", str(entry.group_size)]
+    return flags
+
+
+def run_serve_workload(args, entries: list[EngineEntry], model_dir: str, spec: dict, log_dir: str,
+                       summary: dict) -> None:
+    """Variants have no URL flags: they run only on servers launched here (--launch-servers)."""
     import asyncio
 
     from kvtide.bench.datasets import load_tokenizer_for_bench
@@ -287,36 +536,43 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
     urls = {"kvtide": args.kvtide_url, "vllm": args.vllm_url, "llamacpp": args.llamacpp_url}
     servers: dict[str, peers.ServerProcess] = {}
     try:
-        for engine in engines:
-            if urls.get(engine):
+        for entry in entries:
+            label, engine = entry.label, entry.engine
+            if urls.get(label):
                 continue
             if engine == "hf" or not args.launch_servers:
                 why = "HF transformers has no server" if engine == "hf" else \
-                    f"no --{engine}-url (or --launch-servers)"
-                summary["engines"][f"{engine}-server"] = {"ok": False, "error": why}
+                    f"no --{engine}-url (or --launch-servers)" if not entry.variant else \
+                    "a variant is served only with --launch-servers"
+                summary["engines"][f"{label}-server"] = {"ok": False, "error": why}
                 continue
             python = peers.python_for(engine, args.vllm_python, args.llamacpp_python)
             if python is None:
-                summary["engines"][f"{engine}-server"] = {"ok": False, "error": f"no python for {engine}"}
+                summary["engines"][f"{label}-server"] = {"ok": False, "error": f"no python for {engine}"}
                 continue
             try:
-                gguf = _gguf_for(args, model_dir) if engine == "llamacpp" else None
-            except RuntimeError as e:
-                summary["engines"][f"{engine}-server"] = {"ok": False, "error": str(e)}
+                gguf = None
+                if engine == "llamacpp" or entry.from_gguf:
+                    gguf, kind, warning = gguf_for_entry(args, model_dir, entry)
+                    _record_gguf(summary, entry, gguf, kind, warning)
+            except (RuntimeError, ValueError) as e:
+                summary["engines"][f"{label}-server"] = {"ok": False, "error": str(e)}
                 continue
             port = peers.free_port()
-            cmd = peers.server_command(engine, python, model_dir, port, spec["max_model_len"], args.threads, gguf)
-            print(f"[compare] launching {engine} server: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            server = peers.ServerProcess(engine, cmd, peers.peer_env(engine, args.threads, args.vllm_kv_cache_gib),
+            served = gguf if entry.from_gguf else model_dir
+            cmd = peers.server_command(engine, python, served, port, spec["max_model_len"], args.threads, gguf,
+                                       extra=variant_server_flags(entry))
+            print(f"[compare] launching {label} server: {' '.join(cmd)}", file=sys.stderr, flush=True)
+            server = peers.ServerProcess(label, cmd, peers.peer_env(engine, args.threads, args.vllm_kv_cache_gib),
                                          port, log_dir)
             info = server.wait_ready(args.startup_timeout)
-            summary["engines"].setdefault(f"{engine}-server", info)
+            summary["engines"].setdefault(f"{label}-server", info)
             if info.get("ok"):
-                servers[engine] = server
-                urls[engine] = server.url
+                servers[label] = server
+                urls[label] = server.url
             else:
                 server.close()
-        targets = [e for e in engines if urls.get(e)]
+        targets = [e.label for e in entries if urls.get(e.label)]
         tokenizer = load_tokenizer_for_bench(None, model_dir)
 
         def run_one(engine: str, workload: str, repeat: int) -> dict:
@@ -326,7 +582,7 @@ def run_serve_workload(args, engines: list[str], model_dir: str, spec: dict, log
                 output_len=args.output_len, random_input_len=args.input_len, random_output_len=args.output_len,
                 random_range_ratio=0.0, request_rate=args.request_rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, num_warmups=1, seed=round_seed(args.seed, repeat), temperature=0.0,
-                ignore_eos=True, send_min_tokens=engine == "llamacpp", goodput=args.goodput, metric_percentiles="90,99,99.9", request_timeout=600.0,
+                ignore_eos=True, send_min_tokens=engine.partition(":")[0] == "llamacpp", goodput=args.goodput, metric_percentiles="90,99,99.9", request_timeout=600.0,
                 disable_tqdm=True, metrics_interval=0.5)
             try:
                 with peers.others_paused([server for name, server in servers.items() if name != engine]):
@@ -353,7 +609,7 @@ def main_compare(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     args.vllm_python = args.vllm_python or peers.default_python("vllm")
     args.llamacpp_python = args.llamacpp_python or peers.default_python("llamacpp")
-    engines = _engine_list(args)
+    entries = _engine_list(args)
     model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     spec = build_spec(args, model_dir, config)
@@ -362,12 +618,13 @@ def main_compare(args) -> int:
     summary: dict = {"model": model_dir, "engines": {}, "raw": {}, "workloads": workloads, "repeats": args.repeats,
                      "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "latency_input_len": args.latency_input_len, "latency_output_len": args.latency_output_len,
-                     "threads": args.threads, "seed": args.seed, "log_dir": log_dir}
+                     "threads": args.threads, "seed": args.seed, "log_dir": log_dir, "base": base_label(entries),
+                     "variants": {e.label: variant_record(e, spec["engine_kwargs"]) for e in entries}}
     offline = [w for w in workloads if w != "serve"]
     if offline:
-        run_offline(args, engines, offline, spec, log_dir, summary)
+        run_offline(args, entries, offline, spec, log_dir, summary)
     if "serve" in workloads:
-        run_serve_workload(args, engines, model_dir, spec, log_dir, summary)
+        run_serve_workload(args, entries, model_dir, spec, log_dir, summary)
     _summarize(summary)
     summary["machine"] = machine_record()  # GEMM choices from the disk cache the kvtide worker filled
     print(format_table(summary))

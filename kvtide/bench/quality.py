@@ -57,7 +57,6 @@ from kvtide.engine_args import EngineArgs
 from kvtide.sampling_params import SamplingParams
 
 
-
 @dataclass
 class QualityReport:
     """The figures `kvtide bench quality` prints and writes (see the module docstring)."""

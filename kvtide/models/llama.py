@@ -169,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded_shards: dict[str, set[object]] = {}
         tied = getattr(self.config, "tie_word_embeddings", False)
+        quant_config = getattr(self, "quant_config", None)  # set by prepare_quantization
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
@@ -179,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
                     target, shard_id = name.replace(ckpt_name, fused), shard
                     break
             if target not in params:
+                if quant_config is not None and quant_config.skip_checkpoint_tensor(name, tensor):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                                  f"{type(self).__name__}")
             param = params[target]

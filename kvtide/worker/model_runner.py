@@ -16,6 +16,7 @@ import torch
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.layers.cpu_gemm import prepack_weights
+from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
 from kvtide.sampling.ops import compute_top_logprobs
@@ -75,6 +76,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         if getattr(mc.quant_config, "needs_calibration", False):
             self._calibrate_quantization(model_dir)
+        self.weight_bytes = weight_bytes(self.model)
+        """Bytes the model's weights take as held (quantized tensors at their size)."""
+        logger.info("model weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
+                    mc.quant_config.describe() if mc.quant_config is not None else str(mc.dtype).removeprefix("torch."))
         # ---- accelerator hook: fused Triton layers on CUDA; decode graphs after KV init
         if self.device.type == "cuda" and config.device_config.attention_backend == "triton":
             from kvtide.layers.triton_ops import use_triton_ops

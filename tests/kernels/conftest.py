@@ -30,7 +30,8 @@ import pytest
 import torch
 
 DEVICE = os.environ.get("KVTIDE_TEST_DEVICE", "cpu")
-TRITON_MODULES = ("kvtide.attention.triton_kernels", "kvtide.layers.triton_ops")
+TRITON_MODULES = ("kvtide.attention.triton_kernels", "kvtide.layers.triton_ops",
+                  "kvtide.layers.quantization.triton_kernels")
 HERE = pathlib.Path(__file__).resolve().parent
 
 

@@ -34,29 +34,7 @@ DEVICE = os.environ.get("KVTIDE_TEST_DEVICE", "cpu")
 MODULE = "kvtide.layers.quantization.triton_kernels"
 
 
-def _import_kernels():
-    """The kernel module, its kernels interpreted on the CPU. Triton fixes compiled-or-interpreted
-    when @triton.jit runs, i.e. at import; the kernels' conftest imports triton interpreted (in
-    process) but only the kernel modules it lists, so this one is imported here under
-    TRITON_INTERPRET=1, or reloaded if something imported it compiled first."""
-    if not HAS_TRITON or DEVICE == "cuda":
-        return importlib.import_module(MODULE)
-    import triton.language.standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.standard.zeros_like, InterpretedFunction):
-        # Triton itself is compiled (conftest's subprocess mode): the `triton` tests below are
-        # deselected here and rerun in a child process; the rest need no interpreter.
-        return importlib.import_module(MODULE)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        module = importlib.import_module(MODULE)
-        if not isinstance(module._quantized_matmul_kernel, InterpretedFunction):
-            module = importlib.reload(module)
-    return module
-
-
-kernels = _import_kernels()
+kernels = importlib.import_module(MODULE)  # interpreted on CPU: conftest imports it so
 
 N_ODD = 100  # not a multiple of any column tile
 

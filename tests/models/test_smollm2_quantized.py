@@ -52,9 +52,8 @@ def reports(smollm2_f32, smollm2_gguf):
 def test_perplexity_of_each_quantization(reports):
     reference = reports["int8"].reference_perplexity
     ratio = {name: r.perplexity / reference for name, r in reports.items()}
-    print("\nSmolLM2-135M perplexity on tests/data/english.txt: float32 %.3f; %s" % (
-        reference, ", ".join(f"{n} {r.perplexity:.3f} ({ratio[n]:.4f}x, KL {r.mean_kl:.2e})"
-                             for n, r in reports.items())))
+    figures = ", ".join(f"{n} {r.perplexity:.3f} ({ratio[n]:.4f}x, KL {r.mean_kl:.2e})" for n, r in reports.items())
+    print(f"\nSmolLM2-135M perplexity on tests/data/english.txt: float32 {reference:.3f}; {figures}")
     assert reports["int8"].tokens_scored > 500
     assert 5 < reference < 60  # a real model on English text, not noise
     assert abs(ratio["int8"] - 1) < 0.01

@@ -121,6 +121,7 @@ def prepare_quantization(model: nn.Module, config: QuantizationConfig) -> None:
     """Give each layer the config picks a method, which creates the parameters it loads. A tied LM
     head takes its embedding's method and, after loading, its QuantizedWeight."""
     config.bind_model(model)
+    model.quant_config = config  # the model's load_weights asks it about tensors with no parameter
     for prefix, module in model.named_modules():
         if not _quantizable(module) or getattr(module, "tied_to", None) is not None:
             continue

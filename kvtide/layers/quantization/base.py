@@ -43,6 +43,8 @@ class QuantizationConfig:
     """One quantization format or on-the-fly scheme, as read from a checkpoint or given by the user."""
 
     name: ClassVar[str]
+    shard_names: dict[str, dict[object, str]] = {}
+    """fused module -> {shard id: checkpoint module} (qkv_proj -> {"q": "q_proj", ...}), from bind_model."""
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         """The method for the layer named `prefix` ('layers.0.self_attn.qkv_proj', 'lm_head',
@@ -50,7 +52,8 @@ class QuantizationConfig:
         raise NotImplementedError
 
     def bind_model(self, model: nn.Module) -> None:
-        """Called once before method_for, with the model being built (its fused-module mapping)."""
+        """Called once before method_for, with the model being built: learn its fused modules."""
+        self.shard_names = fused_shard_names(model)
 
     def supported_devices(self) -> tuple[str, ...]:
         return ("cpu", "cuda")
@@ -58,8 +61,21 @@ class QuantizationConfig:
     def check_model(self, hf_config) -> None:
         """Raise ValueError for a model this scheme cannot quantize (before anything is loaded)."""
 
+    def skip_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        """Asked by load_weights about a checkpoint tensor that has no parameter: True skips it
+        (a format's harmless extras), False leaves it an error; may raise a clearer ValueError."""
+        return False
+
     def describe(self) -> str:
         return self.name
+
+
+def fused_shard_names(model: nn.Module) -> dict[str, dict[object, str]]:
+    """fused module -> {shard id: checkpoint module}, from the model's packed_modules_mapping."""
+    names: dict[str, dict[object, str]] = {}
+    for ckpt, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        names.setdefault(fused, {})[shard] = ckpt
+    return names
 
 
 def shard_range(layer: nn.Module, shard_id: object) -> tuple[int, int]:

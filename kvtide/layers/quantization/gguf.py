@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, drop_parameters, quant_parameter
+from kvtide.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethod,
+    drop_parameters,
+    quant_parameter,
+)
 from kvtide.layers.quantization.qweight import QuantizedWeight
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
@@ -74,7 +79,6 @@ class GGUFConfig(QuantizationConfig):
         """transformers tensor name (model.layers.0.self_attn.q_proj.weight) -> GGUF type."""
         self.tensor_formats: dict[str, tuple[str, int, bool]] = {}
         """Filled by method_for: checkpoint tensor name -> the layout its layer keeps it in."""
-        self.shard_names: dict[str, dict[object, str]] = {}
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> GGUFConfig:
@@ -82,10 +86,6 @@ class GGUFConfig(QuantizationConfig):
 
         return cls(gguf_tensor_types(qc["model_dir"]))
 
-    def bind_model(self, model: nn.Module) -> None:
-        """Learn which checkpoint modules each fused layer gathers (the model's packed_modules_mapping)."""
-        for ckpt, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items():
-            self.shard_names.setdefault(fused, {})[shard] = ckpt
 
     def _checkpoint_tensors(self, prefix: str, layer: nn.Module) -> list[str]:
         parent, _, leaf = prefix.rpartition(".")

@@ -27,7 +27,7 @@ def install(layer: nn.Module, qw: QuantizedWeight) -> None:
     """Keep `qw` on the layer (as buffers too, so the engine counts their bytes) and drop the float
     weight the layer was created with."""
     drop_parameters(layer, "weight")
-    for name, tensor in zip(BUFFERS, (qw.codes, qw.scales, qw.mins, qw.input_perm)):
+    for name, tensor in zip(BUFFERS, (qw.codes, qw.scales, qw.mins, qw.input_perm), strict=True):
         layer.register_buffer(name, tensor, persistent=False)
     layer.quantized = qw
 
