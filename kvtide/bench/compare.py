@@ -24,6 +24,7 @@ each its own worker (server) and its own label in tables and JSON:
   kvtide:int4, kvtide:int4-g32           int4, default group size or 32 (also g64, g128)
   kvtide:gguf                            kvtide on the GGUF plain llamacpp gets (--gguf), kept quantized;
                                          without --gguf the float32 conversion (a warning says so)
+  kvtide:gguf-Q8_0, kvtide:gguf-Q4_0 ... kvtide on the file llamacpp:Q8_0 (...) runs, kept quantized
   llamacpp:Q8_0, :Q4_0, :Q4_1, :Q4_K_M   llama.cpp on that GGUF made by llama.cpp's own quantizer
                                          from the float GGUF (cached beside it as <name>-<TYPE>.gguf;
                                          a quantized --gguf is refused, requantizing loses quality)
@@ -108,6 +109,12 @@ def parse_engine(text: str) -> EngineEntry:
     variant = variant.strip()
     if engine == "kvtide":
         v = variant.lower().replace("_", "-")
+        if v.startswith("gguf-"):  # kvtide on the very file llamacpp:TYPE runs
+            t = variant[len("gguf-"):].upper().replace("-", "_")
+            if t not in peers.LLAMACPP_QUANT_TYPES:
+                raise ValueError(f"--engines: unknown llama.cpp type in {text!r}; choose from "
+                                 f"{', '.join('kvtide:gguf-' + k for k in peers.LLAMACPP_QUANT_TYPES)}")
+            return EngineEntry(f"kvtide:gguf-{t}", "kvtide", f"gguf-{t}", gguf_type=t, from_gguf=True)
         if v not in KVTIDE_VARIANTS:
             raise ValueError(f"--engines: unknown kvtide variant {text!r}; choose from "
                              f"{', '.join('kvtide:' + k for k in KVTIDE_VARIANTS)}")

@@ -50,6 +50,7 @@ def ggufs(bpe_dir, tmp_path_factory) -> dict[str, str]:
     ("kvtide:fp8", "kvtide:fp8", {"quantization": "fp8"}),
     ("kvtide:w8a8", "kvtide:w8a8", {"quantization": "w8a8"}),
     ("kvtide:gguf", "kvtide:gguf", {"quantization": None, "from_gguf": True}),
+    ("kvtide:gguf-q4_0", "kvtide:gguf-Q4_0", {"quantization": None, "from_gguf": True, "gguf_type": "Q4_0"}),
     ("llamacpp:q8_0", "llamacpp:Q8_0", {"engine": "llamacpp", "gguf_type": "Q8_0"}),
     ("llamacpp:Q4_K_M", "llamacpp:Q4_K_M", {"gguf_type": "Q4_K_M"}),
     (" hf ", "hf", {"engine": "hf", "variant": None}),
@@ -64,6 +65,7 @@ def test_variants_parse_to_their_label_and_configuration(text, label, fields):
 @pytest.mark.parametrize("text, names", [
     ("kvtide:int3", "kvtide:int4-g32"), ("kvtide:int4-g16", "kvtide:int4-g64"), ("kvtide:", "kvtide:gguf"),
     ("hf:int8", "hf has no variants"), ("vllm:foo", "vllm has no variants"), ("llamacpp:Q9", "llamacpp:Q4_0"),
+    ("kvtide:gguf-Q9", "kvtide:gguf-Q8_0"),
     ("sglang", "kvtide, hf, vllm, llamacpp"),
 ])
 def test_a_bad_variant_is_an_error_that_lists_the_choices(text, names):

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -142,13 +144,19 @@ void dequant_row_scalar(const Weight& w, int64_t n, int64_t k, float* out) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// Calls f(k, weight vector) for every kLanes-wide vector of row n, dequantized.
+using Slot0 = std::integral_constant<int, 0>;
+using Slot1 = std::integral_constant<int, 1>;
+
+// Calls f(slot, k, weight vector) for every kLanes-wide vector of row n, dequantized. Consecutive
+// vectors alternate between slot 0 and 1 (compile-time constants), so a caller can keep two
+// independent accumulators and two FMA chains in flight instead of waiting on one's latency.
 template <typename F>
 inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
   const uint8_t* row = w.codes + n * w.row_bytes;
   const float* srow = w.scales + n * w.groups;
   const float* mrow = w.mins ? w.mins + n * w.groups : nullptr;
   const float factor = w.kind == kFp8 ? kFp8Factor : 1.0f;
+  const bool pairs = w.group % (2 * kLanes) == 0;
   for (int64_t g = 0; g < w.groups; ++g) {
     VecF s = vset1(srow[g] * factor);
     VecF m = mrow ? vset1(mrow[g]) : vzero();
@@ -157,13 +165,30 @@ inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
       for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
         VecF q[32 / kLanes];
         load_int4_block(row + k0 / 2, q);
-        for (int64_t i = 0; i < 32 / kLanes; ++i) f(k0 + i * kLanes, vfma(q[i], s, m));
+        for (int64_t i = 0; i < 32 / kLanes; i += 2) {
+          f(Slot0{}, k0 + i * kLanes, vfma(q[i], s, m));
+          f(Slot1{}, k0 + (i + 1) * kLanes, vfma(q[i + 1], s, m));
+        }
       }
     } else if (w.kind == kInt8) {
       const int8_t* r = reinterpret_cast<const int8_t*>(row);
-      for (int64_t k = k_begin; k < k_end; k += kLanes) f(k, vfma(load_int8(r + k), s, m));
+      if (pairs) {
+        for (int64_t k = k_begin; k < k_end; k += 2 * kLanes) {
+          f(Slot0{}, k, vfma(load_int8(r + k), s, m));
+          f(Slot1{}, k + kLanes, vfma(load_int8(r + k + kLanes), s, m));
+        }
+      } else {
+        for (int64_t k = k_begin; k < k_end; k += kLanes) f(Slot0{}, k, vfma(load_int8(r + k), s, m));
+      }
     } else {
-      for (int64_t k = k_begin; k < k_end; k += kLanes) f(k, vfma(load_fp8(row + k), s, m));
+      if (pairs) {
+        for (int64_t k = k_begin; k < k_end; k += 2 * kLanes) {
+          f(Slot0{}, k, vfma(load_fp8(row + k), s, m));
+          f(Slot1{}, k + kLanes, vfma(load_fp8(row + k + kLanes), s, m));
+        }
+      } else {
+        for (int64_t k = k_begin; k < k_end; k += kLanes) f(Slot0{}, k, vfma(load_fp8(row + k), s, m));
+      }
     }
   }
 }
@@ -177,14 +202,15 @@ void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t
     const float* xr[kRows];
     for (int64_t i = 0; i < rows; ++i) xr[i] = x + (m0 + i) * k;
     for (int64_t n = n0; n < n1; ++n) {
-      VecF acc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) acc[i] = vzero();
+      VecF acc[2][kRows];
+      for (int64_t i = 0; i < kRows; ++i) acc[0][i] = acc[1][i] = vzero();
       switch (rows) {  // the row count as a constant, so the inner loop unrolls
-#define KVTIDE_ROWS_CASE(R)                                                           \
-  case R:                                                                             \
-    for_each_weight_vector(w, n, [&](int64_t kk, VecF wv) {                          \
-      for (int64_t i = 0; i < R; ++i) acc[i] = vfma(vload(xr[i] + kk), wv, acc[i]); \
-    });                                                                               \
+#define KVTIDE_ROWS_CASE(R)                                                                         \
+  case R:                                                                                           \
+    for_each_weight_vector(w, n, [&](auto slot, int64_t kk, VecF wv) {                             \
+      constexpr int c = R == 1 ? decltype(slot)::value : 0; /* R rows are R chains already */       \
+      for (int64_t i = 0; i < R; ++i) acc[c][i] = vfma(vload(xr[i] + kk), wv, acc[c][i]);         \
+    });                                                                                             \
     break;
         KVTIDE_ROWS_CASE(1)
         KVTIDE_ROWS_CASE(2)
@@ -192,7 +218,7 @@ void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t
         KVTIDE_ROWS_CASE(4)
 #undef KVTIDE_ROWS_CASE
       }
-      for (int64_t i = 0; i < rows; ++i) out[(m0 + i) * n_total + n] = vsum(acc[i]);
+      for (int64_t i = 0; i < rows; ++i) out[(m0 + i) * n_total + n] = vsum(acc[0][i] + acc[1][i]);
     }
     return;
   }
@@ -263,7 +289,7 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& codes, const at::Tensor&
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
       if (w.group % kLanes == 0) {
         float* row = op + r * k;
-        for_each_weight_vector(w, r, [&](int64_t kk, VecF wv) { vstore(row + kk, wv); });
+        for_each_weight_vector(w, r, [&](auto, int64_t kk, VecF wv) { vstore(row + kk, wv); });
         continue;
       }
 #endif
