@@ -24,7 +24,10 @@ class Fp8Method(WeightOnlyMethod):
         """Turns the layer's loaded parameters into an fp8 QuantizedWeight with per-channel scales."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
-        return self.build(layer)
+        qw = self.build(layer)
+        if bool(((qw.codes & 0x7F) == 0x7F).any()):  # e4m3fn's NaN codes
+            raise ValueError("an fp8 weight holds NaN codes: the checkpoint is corrupt")
+        return qw
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         qw: QuantizedWeight = layer.quantized

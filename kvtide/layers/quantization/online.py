@@ -54,7 +54,7 @@ class Int4Config(QuantizationConfig):
     name = "int4"
 
     def __init__(self, group_size: int | None = None) -> None:
-        self.group_size = group_size or 128
+        self.group_size = 128 if group_size is None else group_size
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                              f"got {self.group_size}")

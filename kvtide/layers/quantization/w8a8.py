@@ -81,7 +81,7 @@ class W8A8Method(QuantizeMethod):
         x2 = x.reshape(-1, shape[-1])
         if qw.input_perm is not None:
             x2 = x2.index_select(1, qw.input_perm)
-        smooth = getattr(layer, "w8a8_smooth", None)
+        smooth = getattr(layer, "qsmooth", None)
         if smooth is not None:
             x2 = x2 / smooth
         codes, scale = quantize_per_token_int8(x2, layer.w8a8_input_scale)
@@ -104,7 +104,7 @@ class SmoothQuantMethod(W8A8Method):
             w_max = weight.abs().amax(0).clamp_min(1e-5)
             smooth = (act_max.clamp_min(1e-5) ** SMOOTH_ALPHA / w_max ** (1 - SMOOTH_ALPHA)).clamp(1e-5, 1e5)
             weight = weight * smooth
-            layer.w8a8_smooth = smooth.to(layer.weight.dtype)
+            layer.register_buffer("qsmooth", smooth.to(layer.weight.dtype), persistent=False)
             del layer.w8a8_act_max
         return quantize_int8(weight), None
 

@@ -2,8 +2,8 @@
 lookup, and the bookkeeping that keeps the quantized tensors on the layer.
 
 CPU: up to DECODE_MAX_ROWS rows go through the compiled kernel that reads the quantized bytes
-(cpu_kernels.decode_linear); more rows dequantize slices of the weight into a cached float32 buffer
-and run a GEMM (cpu_kernels.prefill_linear). CUDA: the Triton kernel (triton_kernels.py) for every
+(cpu_kernels.decode_linear); more rows dequantize slices of the weight into a float32 buffer that
+stays in cache and run a GEMM (cpu_kernels.prefill_linear). CUDA: the Triton kernel (triton_kernels.py) for every
 batch.
 """
 
@@ -20,14 +20,15 @@ DECODE_MAX_ROWS = 32
 """Rows up to which the quantized-bytes kernel beats dequantize + GEMM on CPU (measured on a Zen 4
 EPYC with SmolLM2's shapes, one thread: at 64 rows dequantize + GEMM was 1.2x faster)."""
 
-BUFFERS = ("qcodes", "qscales", "qmins", "qinput_perm")
+BUFFERS = ("qcodes", "qscales", "qmins", "qinput_perm", "qsmooth")
+"""The tensors a quantized layer holds (weight_bytes counts them)."""
 
 
 def install(layer: nn.Module, qw: QuantizedWeight) -> None:
     """Keep `qw` on the layer (as buffers too, so the engine counts their bytes) and drop the float
     weight the layer was created with."""
     drop_parameters(layer, "weight")
-    for name, tensor in zip(BUFFERS, (qw.codes, qw.scales, qw.mins, qw.input_perm), strict=True):
+    for name, tensor in zip(BUFFERS[:4], (qw.codes, qw.scales, qw.mins, qw.input_perm), strict=True):
         layer.register_buffer(name, tensor, persistent=False)
     layer.quantized = qw
 

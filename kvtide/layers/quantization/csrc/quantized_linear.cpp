@@ -10,7 +10,7 @@
 // to kRows activation rows at once, so a weight row is read once per kRows rows; work is split
 // over output rows. dequantize_rows writes float32 rows, for prefill batches that go through a GEMM.
 //
-// fp8 e4m3 -> float: its bits moved into a float16's (sign to bit 15, exponent and mantissa shifted
+// fp8 e4m3 -> float (NaN codes are refused at load: a checkpoint never stores them): its bits moved into a float16's (sign to bit 15, exponent and mantissa shifted
 // up by 7) are the same number times 2^-8 for normals and subnormals alike (float16 has 8 more
 // exponent bias), so a float16 conversion and a 2^8 factor folded into the scale decode it exactly.
 //
@@ -242,8 +242,8 @@ Weight make_weight(const at::Tensor& codes, const at::Tensor& scales, const std:
   TORCH_CHECK(group_size > 0 && k % group_size == 0, "group size must divide K");
   TORCH_CHECK(kind != kInt4 || group_size % 32 == 0, "int4 groups must be multiples of 32");
   const int64_t row_bytes = kind == kInt4 ? k / 2 : k;
-  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == row_bytes && codes.element_size() == 1,
-              "codes must be one byte per element with ", row_bytes, " bytes per row");
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) == row_bytes && codes.scalar_type() == (kind == kInt8 ? at::kChar : at::kByte),
+              "codes must be ", kind == kInt8 ? "int8" : "uint8", " with ", row_bytes, " bytes per row");
   const int64_t groups = k / group_size;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && scales.size(1) == groups,
               "scales must be (N, K / group)");
