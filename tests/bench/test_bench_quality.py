@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch_threads import one_torch_thread
 
 from kvtide.bench import quality
 from kvtide.bench.quality import Window, evaluate_quality, plan_windows
@@ -24,11 +25,7 @@ SMALL = dict(kv_cache_memory="16MiB", max_model_len=256)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
-    """Tiny models: one intra-op thread is as fast as two and does not stall on shared cores."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    yield from one_torch_thread()
 
 
 def hf_windows_figures(model_dir: str, reference_dir: str, text: str, context_length: int, max_tokens: int,

@@ -1,15 +1,11 @@
-"""Model tests run tiny models (hidden 128): one intra-op thread is as fast as two, and OpenMP
-barriers stall badly (10-30x) when the two cores are shared with other processes."""
+"""Model tests run tiny models (hidden 128) on one intra-op thread (see torch_threads.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
+from torch_threads import one_torch_thread
 
 
 @pytest.fixture(autouse=True, scope="package")
 def _one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    yield from one_torch_thread()

@@ -118,6 +118,18 @@ def test_reference_quantizers_are_the_engines(float_dir):
 
 
 # ---- checkpoints and engines, built once per module --------------------------------------------
+DECODE_MAX_ROWS = 32
+"""The CPU decode/prefill switch for this module (the engine's own, 128, is a tuning choice): low
+enough that the tiny prompts' prefills take dequantize + GEMM and their decodes the kernel."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _both_cpu_paths():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_only_module, "DECODE_MAX_ROWS", DECODE_MAX_ROWS)
+        yield
+
+
 @pytest.fixture(scope="module")
 def float_dir(checkpoint_factory) -> str:
     return checkpoint_factory("LlamaForCausalLM", **CONFIG)
