@@ -1,5 +1,5 @@
 """What each weight quantization costs on the real model: perplexity of SmolLM2-135M-Instruct on a
-fixed English text (tests/data/english.txt, ~600 tokens) in float32, int8, int4 (g64, g32), fp8,
+fixed English text (tests/data/english.txt, 512 tokens) in float32, int8, int4 (g64, g32), fp8,
 w8a8 and the GGUF's own Q4_1 kept quantized, measured by `kvtide bench quality`'s evaluator.
 
 The float32 model is the GGUF dequantized to a float32 checkpoint (the only float SmolLM2 here), so
