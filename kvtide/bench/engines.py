@@ -75,9 +75,7 @@ class KvtideAdapter(Adapter):
         return self.llm.engine.core.get_stats().spec_decoding
 
     def ready_info(self) -> dict:
-        from kvtide.layers.quantization import weight_bytes
-
-        return {"weight_bytes": weight_bytes(self.llm.engine.core.executor.runner.model)}
+        return {"weight_bytes": self.llm.engine.core.executor.runner.weight_bytes}
 
     @property
     def num_speculative_tokens(self) -> int | None:

@@ -21,9 +21,9 @@ window then starts every S tokens and scores only the tokens no earlier window s
 them see more context (Hugging Face's strided perplexity).
 
 Logits: the engine's sampler returns only top-k logprobs and KL needs the whole distribution, so
-each window runs as one prefill straight through a ModelRunner's model (the runner's own
-prepare_step_inputs builds the attention metadata for one sequence over a KV cache of one window's
-blocks), and compute_logits gives float32 logits over the whole vocabulary.
+each window runs as one prefill straight through a ModelRunner's model (`prefill_hidden_states`,
+over a KV cache of one window's blocks), and compute_logits gives float32 logits over the whole
+vocabulary.
 
 Memory: the two configurations are loaded one at a time (the reference, then the one under test),
 so the peak is one model, never two. The reference's full log-probs are kept on disk in float32 in
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import math
 import os
 import sys
@@ -54,7 +53,6 @@ import torch
 from kvtide.bench.common import module_main, print_and_save
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
-from kvtide.sampling_params import SamplingParams
 
 
 @dataclass
@@ -175,19 +173,12 @@ def _free_memory() -> None:
 def _window_log_probs(runner, token_ids: list[int], windows: list[Window],
                       bos: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per window, one prefill: (log-probs of its scored tokens (scored, vocab) float32, their ids)."""
-    from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
-
-    block_size = runner.block_size
-    uids = itertools.count(1)  # a new sequence each window, for backends that keep per-row state
     for w in windows:
         ids = ([bos] if bos is not None else []) + token_ids[w.start:w.end]
         # Position p predicts position p + 1; the first scored token sits at first_pos.
         first_pos = w.first_scored - w.start + (bos is not None)
-        state = CachedRequestState("window", ids, len(ids), SamplingParams(),
-                                   list(range(-(-len(ids) // block_size))), 0, uid=next(uids))
         with torch.inference_mode():
-            inputs = prepare_step_inputs({"window": len(ids)}, {"window": state}, block_size, runner.device)
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = runner.prefill_hidden_states(ids)
             logits = runner.model.compute_logits(hidden[first_pos - 1:len(ids) - 1])
             yield logits.float().log_softmax(dim=-1), torch.tensor(ids[first_pos:], device=logits.device)
 

@@ -106,11 +106,7 @@ class ModelRunner:
         mc = self.config.model_config
         tokenizer = load_tokenizer(mc.tokenizer or model_dir, mc.trust_remote_code)
         num_blocks = -(-min(CALIBRATION_TOKENS, mc.max_model_len) // self.block_size)
-        for attn in self.model.attention_layers():
-            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
-                                                          attn.head_dim)
-            attn.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
-            attn.backend = self.attention_backend
+        self._bind_kv_caches(self.model.attention_layers(), num_blocks)
         calibrate(self, mc.quant_config.calibration_data, tokenizer, mc.max_model_len)
         for attn in self.model.attention_layers():
             attn.kv_cache = None
@@ -141,17 +137,20 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
         finite values) and bind it to the layer."""
-        self.kv_caches = []
-        for attn in self._cached_attention_layers():
-            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
-                                                          attn.head_dim)
-            cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
-            attn.kv_cache = cache
-            attn.backend = self.attention_backend
-            self.kv_caches.append(cache)
+        self.kv_caches = self._bind_kv_caches(self._cached_attention_layers(), num_blocks)
         self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
         if self.spec is not None:
             self.spec.capture_graphs(self.config)
+
+    def _bind_kv_caches(self, layers: list, num_blocks: int) -> list[torch.Tensor]:
+        caches = []
+        for attn in layers:
+            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
+                                                          attn.head_dim)
+            attn.kv_cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
+            attn.backend = self.attention_backend
+            caches.append(attn.kv_cache)
+        return caches
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -20,10 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, drop_parameters
+from kvtide.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethod,
+    checkpoint_modules,
+    drop_parameters,
+)
 from kvtide.layers.quantization.gptq import (
     checked_parameter,
-    checkpoint_modules,
     int_weight,
     name_matches,
     unpack_int32,

@@ -78,6 +78,18 @@ def fused_shard_names(model: nn.Module) -> dict[str, dict[object, str]]:
     return names
 
 
+def checkpoint_modules(prefix: str, layer: nn.Module, shard_names: dict[str, dict[object, str]]) -> dict[object, str]:
+    """shard id -> the Hugging Face module name a layer's weights come from
+    ('layers.0.self_attn.qkv_proj' -> {'q': 'model.layers.0.self_attn.q_proj', ...})."""
+    if prefix == "lm_head":
+        return {None: "lm_head"}
+    parent, _, leaf = prefix.rpartition(".")
+    shards = shard_names.get(leaf)
+    if shards is None or getattr(layer, "shard_ids", (None,)) == (None,):
+        return {None: f"model.{prefix}"}
+    return {s: f"model.{parent}.{shards[s]}" for s in layer.shard_ids}
+
+
 def shard_range(layer: nn.Module, shard_id: object) -> tuple[int, int]:
     """(offset, size) in output rows of a fused layer's shard; the whole layer for None."""
     if shard_id is None:

@@ -40,12 +40,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, drop_parameters
+from kvtide.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethod,
+    checkpoint_modules,
+    drop_parameters,
+)
 from kvtide.layers.quantization.fp8_checkpoint import create_fp8_weights, fp8_weight, row_scale_parameter
 from kvtide.layers.quantization.fp8_method import Fp8Method
 from kvtide.layers.quantization.gptq import (
     checked_parameter,
-    checkpoint_modules,
     group_order,
     int_weight,
     loaded,

@@ -59,6 +59,5 @@ def prefill_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     for start in range(0, n, DEQUANT_ROWS):
         end = min(n, start + DEQUANT_ROWS)
         rows = dequantize_into(buffer[:end - start], qw.rows(start, end))
-        torch.matmul(x, rows.t(), out=out[:, start:end]) if end - start == n else \
-            out[:, start:end].copy_(x @ rows.t())
+        out[:, start:end] = x @ rows.t()
     return out

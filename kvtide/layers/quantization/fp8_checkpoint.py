@@ -25,11 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, drop_parameters
+from kvtide.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethod,
+    checkpoint_modules,
+    drop_parameters,
+)
 from kvtide.layers.quantization.fp8_method import Fp8Method
 from kvtide.layers.quantization.gptq import (
     checked_parameter,
-    checkpoint_modules,
     name_matches,
 )
 from kvtide.layers.quantization.qweight import QuantizedWeight

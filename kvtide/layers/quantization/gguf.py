@@ -21,6 +21,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    checkpoint_modules,
     drop_parameters,
     quant_parameter,
 )
@@ -87,19 +88,8 @@ class GGUFConfig(QuantizationConfig):
         return cls(gguf_tensor_types(qc["model_dir"]))
 
 
-    def _checkpoint_tensors(self, prefix: str, layer: nn.Module) -> list[str]:
-        parent, _, leaf = prefix.rpartition(".")
-        shards = self.shard_names.get(leaf)
-        if shards is None:
-            names = [f"{prefix}.weight"]
-        else:
-            names = [f"{parent}.{shards[s]}.weight" for s in layer.shard_ids]
-        if prefix == "lm_head":
-            return ["lm_head.weight"]
-        return [f"model.{name}" for name in names]
-
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
-        names = self._checkpoint_tensors(prefix, layer)
+        names = [f"{module}.weight" for module in checkpoint_modules(prefix, layer, self.shard_names).values()]
         fmt = layer_format([self.tensor_types.get(name, "missing") for name in names])
         if fmt is None:
             return None

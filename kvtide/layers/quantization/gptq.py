@@ -36,6 +36,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    checkpoint_modules,
     drop_parameters,
     quant_parameter,
 )
@@ -95,18 +96,6 @@ def group_order(g_idx: torch.Tensor | None, in_features: int, group_size: int, w
         raise ValueError(f"{where}: g_idx must assign each of the {groups} groups exactly {group_size} input "
                          f"columns; the checkpoint's does not")
     return torch.sort(g_idx, stable=True).indices
-
-
-def checkpoint_modules(prefix: str, layer: nn.Module, shard_names: dict[str, dict[object, str]]) -> dict[object, str]:
-    """shard id -> the Hugging Face module name a layer's weights come from
-    ('layers.0.self_attn.qkv_proj' -> {'q': 'model.layers.0.self_attn.q_proj', ...})."""
-    if prefix == "lm_head":
-        return {None: "lm_head"}
-    parent, _, leaf = prefix.rpartition(".")
-    shards = shard_names.get(leaf)
-    if shards is None or getattr(layer, "shard_ids", (None,)) == (None,):
-        return {None: f"model.{prefix}"}
-    return {s: f"model.{parent}.{shards[s]}" for s in layer.shard_ids}
 
 
 def checked_parameter(layer: nn.Module, modules: dict[object, str], hint: str, name: str,

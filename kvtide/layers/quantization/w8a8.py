@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod
-from kvtide.layers.quantization.online import OnlineWeightOnlyMethod
+from kvtide.layers.quantization.online import OnlineWeightOnlyMethod, quantizes
 from kvtide.layers.quantization.qweight import QuantizedWeight, quantize_int8
 
 SMOOTH_ALPHA = 0.5
@@ -125,14 +125,11 @@ class W8A8Config(QuantizationConfig):
         return self.calibration_data is not None
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
-        from kvtide.layers.embedding import LMHead, VocabEmbedding
         from kvtide.layers.linear import LinearBase
 
-        if isinstance(layer, LMHead) or (isinstance(layer, VocabEmbedding) and layer.tied_lm_head):
-            return OnlineWeightOnlyMethod(quantize_int8)
-        if isinstance(layer, LinearBase):
-            return SmoothQuantMethod()
-        return None
+        if not quantizes(prefix, layer):
+            return None
+        return SmoothQuantMethod() if isinstance(layer, LinearBase) else OnlineWeightOnlyMethod(quantize_int8)
 
     def describe(self) -> str:
         return "w8a8 (SmoothQuant)" if self.calibration_data else "w8a8"
