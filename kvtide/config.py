@@ -95,6 +95,22 @@ class CacheConfig:
     """Reuse the KV of full blocks whose token prefix was computed before."""
     prefix_caching_hash_algo: str = "sha256"
     """Hash for prefix-cache block keys: sha256 or xxh128 (both collision resistant for this use)."""
+    kv_cache_dtype: str = "auto"
+    """How K/V are stored (kv_compression/formats.py): auto (the model's dtype), float32, bfloat16,
+    float16, fp8 (= fp8_e4m3), fp8_e5m2, int8 or k8v4 (int8 K, int4 V)."""
+    calculate_kv_scales: bool = False
+    """fp8 caches: set each layer's per-tensor K/V scales from the first forward pass's K/V."""
+    sliding_window: int | None = None
+    """The window every attention layer attends within (the model's own, or kv_window_tokens), when
+    all layers have one: blocks wholly before it are returned to the pool as a request grows."""
+    kv_sink_tokens: int = 0
+    """With kv_window_tokens: the first tokens every query keeps seeing (StreamingLLM's sinks)."""
+    kv_window_tokens: int | None = None
+    """Attend only the sinks and the last kv_window_tokens tokens (all layers); None: off."""
+    kv_drop_policy: str | None = None
+    """'score': drop the KV blocks with the least accumulated attention beyond kv_drop_budget."""
+    kv_drop_budget: float | None = None
+    """Fraction of a request's full KV the score policy keeps."""
 
 
 @dataclass(frozen=True)

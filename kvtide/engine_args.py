@@ -21,6 +21,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
+from kvtide.kv_compression.policy import resolve_kv_policy
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
 from kvtide.layers.quantization import resolve_quantization
 from kvtide.spec_decode.resolve import resolve_speculative_config
@@ -94,6 +95,22 @@ class EngineArgs:
     calibration_data: str | None = None
     """w8a8: a text file whose activations set the SmoothQuant smoothing factors (default: none, plain
     per-channel W8A8)."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache storage: auto (the model's dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3),
+    fp8_e5m2, int8 (per-token-per-head scales) or k8v4 (int8 K, int4 V: ~2.5x the tokens of a
+    16-bit cache). fp8 uses the checkpoint's k_scale/v_scale when it ships them, else 1.0."""
+    calculate_kv_scales: bool = False
+    """fp8 KV cache: compute each layer's K/V scales from the first forward pass instead of 1.0."""
+    kv_sink_tokens: int = 0
+    """With --kv-window-tokens: the first N tokens every query keeps attending (attention sinks)."""
+    kv_window_tokens: int | None = None
+    """StreamingLLM-style attention: every layer attends only the sink tokens and the last W tokens;
+    blocks outside both are returned to the pool, so a request holds O(N + W) KV. Off by default."""
+    kv_drop_policy: str | None = None
+    """'score': drop a request's KV blocks with the least accumulated attention (H2O-style) to keep it
+    within --kv-drop-budget of its full KV. Off by default; not with prefix caching."""
+    kv_drop_budget: float | None = None
+    """Fraction in (0, 1] of a request's full KV that --kv-drop-policy score keeps."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -211,6 +228,7 @@ class EngineArgs:
                                             self.calibration_data, device)
         speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
                                                  device, self.trust_remote_code, self.tokenizer)
+        kv_policy = resolve_kv_policy(self, hf_config)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:
@@ -225,7 +243,8 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,
-                                     prefix_caching_hash_algo=self.prefix_caching_hash_algo),
+                                     prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                                     **kv_policy),
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              policy=self.scheduling_policy,

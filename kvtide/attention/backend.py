@@ -7,6 +7,13 @@ Tokens arrive flat and packed (no padding); decode requests (one query token) co
     seq_lens:        [ 40,  17,  90,  4 + cached0,  2 + cached1 ]   context length after this step
     block_tables:    (num_reqs, max_blocks) block ids, padded with 0 (masked by seq_lens)
     slot_mapping:    (num_tokens,) block_id * block_size + offset where each new K/V is written
+
+Which keys a query at position p sees: j <= p, and with a window W, j > p - W, except that the
+first `sink_tokens` keys stay visible (StreamingLLM's attention sinks; 0 without a window).
+
+The cache is in the backend's float layout, or, with a quantized `kv_quant` format, the shared byte
+layout of kv_compression/formats.py: (num_kv_heads, num_blocks, block_bytes) uint8, dequantized
+inside attention with the layer's `kv_scale` (2,) float32 tensor (fp8's per-tensor K and V scales).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import abc
 from dataclasses import dataclass, field
 
 import torch
+
+from kvtide.kv_compression.formats import KVQuantFormat
 
 
 @dataclass
@@ -48,50 +57,71 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
 
+    def __init__(self, kv_quant: KVQuantFormat | None = None) -> None:
+        self.kv_quant = kv_quant
+        """The quantized cache format, or None: K/V stored as floats in the cache tensor's dtype."""
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's cache; this layout unless a backend needs another."""
+        """Shape of one layer's cache: this float layout unless a backend needs another, and the
+        shared byte layout for a quantized format."""
+        if self.kv_quant is not None:
+            return self.kv_quant.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return self.float_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def float_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] (copy-on-write after a fork)."""
+        if self.kv_quant is not None:
+            kv_cache[:, dst] = kv_cache[:, src]
+        else:
+            self.copy_float_blocks(kv_cache, src, dst)
+
+    def copy_float_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_cache[:, dst] = kv_cache[:, src]
 
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key, value (num_tokens, num_kv_heads, head_dim) into kv_cache
-        (2, num_blocks, block_size, num_kv_heads, head_dim) at slot_mapping."""
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        """key, value (num_tokens, num_kv_heads, head_dim) into kv_cache at slot_mapping
+        (quantized with kv_scale when the format is)."""
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+                value: torch.Tensor | None = None, *, sink_tokens: int = 0,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim), each query
-        attending to its request's cached context causally (and within the window). key/value are
-        this step's new K/V (already in the cache), which a backend may read instead of the cache."""
+        attending to its request's cached context causally (within the window, plus the sinks).
+        key/value are this step's new K/V (already in the cache), which a backend may read instead
+        of the cache (unquantized: a quantized cache's attention reads the dequantized codes)."""
 
 
-def prefill_mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def prefill_mask(q_len: int, seq_len: int, window: int | None, device: torch.device,
+                 sink_tokens: int = 0) -> torch.Tensor | None:
     """(q_len, seq_len) bool mask for a chunk of q_len queries ending a context of seq_len: query i
-    sits at position seq_len - q_len + i and sees keys j <= that position (and j > it - window).
-    None when plain causal attention (SDPA's is_causal) is exactly that."""
+    sits at position seq_len - q_len + i and sees keys j <= that position (and j > it - window, or
+    j < sink_tokens). None when plain causal attention (SDPA's is_causal) is exactly that."""
     if seq_len == q_len and window is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
-        mask &= k_pos > q_pos - window
+        mask &= (k_pos > q_pos - window) | (k_pos < sink_tokens)
     return mask
 
 
-def decode_context_layout(md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_context_layout(md: AttentionMetadata, window: int | None,
+                          sink_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """For the decode rows (the first md.num_decodes): the block ids covering the longest context,
     (num_decodes, num_blocks) int64, and which of those num_blocks * block_size positions each row
-    may attend, (num_decodes, ctx) bool: before its seq_len and, with a window, within it. Built once
-    per step and shared by every layer."""
-    key = ("decode_context_layout", window)
+    may attend, (num_decodes, ctx) bool: before its seq_len and, with a window, within it or among
+    the sinks. Built once per step and shared by every layer."""
+    key = ("decode_context_layout", window, sink_tokens)
     if key not in md.backend_data:
         seq_lens = md.seq_lens[:md.num_decodes]
         max_len = max(md.seq_lens_cpu[:md.num_decodes])
@@ -100,27 +130,27 @@ def decode_context_layout(md: AttentionMetadata, window: int | None) -> tuple[to
         pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
         visible = pos[None, :] < seq_lens[:, None]
         if window is not None:
-            visible &= pos[None, :] > (seq_lens[:, None] - 1 - window)
+            visible &= (pos[None, :] > (seq_lens[:, None] - 1 - window)) | (pos[None, :] < sink_tokens)
         md.backend_data[key] = (block_ids, visible)
     return md.backend_data[key]
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, kv_quant: KVQuantFormat | None = None) -> AttentionBackend:
     """Backends by name, imported lazily so CPU installs never import Triton."""
     if name == "cpu":
         from kvtide.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(kv_quant)
     if name == "torch":
         from kvtide.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kv_quant)
     if name == "torch_ref":
         from kvtide.attention.torch_ref import TorchReferenceBackend
 
-        return TorchReferenceBackend()
+        return TorchReferenceBackend(kv_quant)
     if name == "triton":
         from kvtide.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(kv_quant)
     raise ValueError(f"attention_backend must be one of auto, cpu, torch, torch_ref, triton; got {name!r}")
