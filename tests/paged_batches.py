@@ -67,3 +67,15 @@ def make_paged_batch(requests: list[tuple[int, int]], num_heads: int, num_kv_hea
                       randn(2, num_blocks, block_size, num_kv_heads, head_dim), metadata)
 
 
+
+
+def quantized_cache(float_cache: torch.Tensor, kv_quant, kv_scale: torch.Tensor) -> torch.Tensor:
+    """A reference-layout float cache (2, num_blocks, block_size, H_kv, D), every slot written through
+    the reference codec into `kv_quant`'s byte layout (H_kv, num_blocks, block_bytes)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = float_cache.shape
+    cache = torch.zeros(kv_quant.cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.uint8,
+                        device=float_cache.device)
+    slots = torch.arange(num_blocks * block_size, device=float_cache.device)
+    flat = float_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
+    kv_quant.write(flat[0], flat[1], cache, slots, kv_scale)
+    return cache

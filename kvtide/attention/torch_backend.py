@@ -13,6 +13,10 @@ fallback of the CPU backend (cpu_backend.py), and usable on any device.
     prefill: a chunk without cached prefix attends its own fresh K/V (no gather at all); a chunk
              with one gathers its request's blocks, already in SDPA's (H_kv, ctx, D) layout.
 
+A quantized cache (kv_compression/formats.py) is gathered as bytes and dequantized per chunk of
+rows, and prefills attend the dequantized cache too (never this step's unquantized K/V), so a
+token's attention is the same whether its context was computed this step or hit in the prefix cache.
+
 Checked against torch_ref.py on random mixed batches in tests/attention.
 """
 
@@ -35,46 +39,57 @@ GATHER_CHUNK_BYTES = 8 << 20
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int) -> tuple[int, ...]:
+    def float_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
-    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_float_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_cache[:, :, dst] = kv_cache[:, :, src]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        if self.kv_quant is not None:
+            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
+            self.kv_quant.write(key, value, kv_cache, slot_mapping, kv_scale)
+            return
         _, num_kv_heads, _, _, head_dim = kv_cache.shape
         # (H_kv, num_slots, D) views; key (T, H_kv, D) enters as (H_kv, T, D).
-        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+        for i, x in enumerate((key, value)):
+            kv_cache[i].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
+                                                                     x.transpose(0, 1).to(kv_cache.dtype))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+                value: torch.Tensor | None = None, *, sink_tokens: int = 0,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes = metadata.num_decodes
         if num_decodes == metadata.num_reqs:
-            return self._decode(query, kv_cache, metadata, scale, sliding_window)
+            return self._decode(query, kv_cache, metadata, scale, sliding_window, sink_tokens, kv_scale)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale, sliding_window)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale, sliding_window,
+                                                sink_tokens, kv_scale)
         self._prefill(output, query, kv_cache, metadata, range(num_decodes, metadata.num_reqs), scale,
-                      sliding_window, key, value)
+                      sliding_window, key, value, sink_tokens, kv_scale)
         return output
 
     def _prefill(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                  md: AttentionMetadata, rows: range | list[int], scale: float, window: int | None,
-                 key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+                 key: torch.Tensor | None, value: torch.Tensor | None, sink_tokens: int = 0,
+                 kv_scale: torch.Tensor | None = None) -> None:
         """Attends the prefill rows `rows` (ascending) into their tokens of output."""
+        if self.kv_quant is not None:
+            key = value = None  # attend what the cache holds
         qsl = md.query_start_loc_cpu
         for first, last in self._prefill_runs(md, key is not None and value is not None, rows):
             start, end = qsl[first], qsl[last + 1]
             fresh = None if key is None or value is None else (key[start:end], value[start:end])
             if last > first:
                 output[start:end] = self._prefill_run(query[start:end], fresh, last - first + 1, scale,  # type: ignore[arg-type]
-                                                      window)
+                                                      window, sink_tokens)
             else:
-                output[start:end] = self._prefill_one(query[start:end], kv_cache, md, first, scale, window, fresh)
+                output[start:end] = self._prefill_one(query[start:end], kv_cache, md, first, scale, window, fresh,
+                                                      sink_tokens, kv_scale)
 
     @staticmethod
     def _prefill_runs(md: AttentionMetadata, have_fresh: bool,
@@ -97,13 +112,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill_run(query: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], num: int, scale: float,
-                     window: int | None) -> torch.Tensor:
+                     window: int | None, sink_tokens: int = 0) -> torch.Tensor:
         """`num` uncached prompts of equal length L in one causal SDPA over (num, H, L, D) views."""
         total, num_heads, head_dim = query.shape
         q_len = total // num
         key, value = fresh
         num_kv_heads = key.shape[1]
-        mask = prefill_mask(q_len, q_len, window, query.device)
+        mask = prefill_mask(q_len, q_len, window, query.device, sink_tokens)
         out = F.scaled_dot_product_attention(
             query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
             key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
@@ -113,39 +128,49 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---- decodes -----------------------------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
+                scale: float, window: int | None, sink_tokens: int = 0,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
-        num_kv_heads = kv_cache.shape[1]
-        block_ids, bias = self._decode_layout(md, window, query.dtype)
+        num_kv_heads = kv_cache.shape[0 if self.kv_quant is not None else 1]
+        block_ids, bias = self._decode_layout(md, window, sink_tokens)
         group = num_heads // num_kv_heads
-        # Gathered contexts come head-major: (2, H_kv, rows, ctx, D), queries (H_kv, rows, group, D).
+        # Gathered contexts come head-major: (H_kv, rows, ctx, D) each, queries (H_kv, rows, group, D).
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
         out = torch.empty_like(q)
-        row_bytes = 2 * num_kv_heads * block_ids.shape[1] * kv_cache.shape[3] * head_dim * kv_cache.element_size()
+        row_bytes = 2 * num_kv_heads * block_ids.shape[1] * md.block_size * head_dim * query.element_size()
         rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
         for first in range(0, num_decodes, rows):
             chunk = slice(first, first + rows)
-            kv = self._gather(kv_cache, block_ids[chunk])
-            out[:, chunk] = _attend(q[:, chunk], kv[0].transpose(-1, -2), kv[1], bias[chunk])
+            key, value = self._gather(kv_cache, block_ids[chunk], head_dim, kv_scale, query.dtype)
+            out[:, chunk] = _attend(q[:, chunk], key.transpose(-1, -2), value, bias[chunk])
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """(num_rows, num_blocks) block ids -> (2, H_kv, num_rows, num_blocks * block_size, D)."""
-        _, num_kv_heads, num_blocks_total, block_size, head_dim = kv_cache.shape
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
+                kv_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_rows, num_blocks) block ids -> K, V (H_kv, num_rows, num_blocks * block_size, D) in `dtype`."""
+        num_rows, num_blocks = block_ids.shape
+        if self.kv_quant is not None:
+            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
+            num_kv_heads = kv_cache.shape[0]
+            key, value = self.kv_quant.read_blocks(kv_cache.index_select(1, block_ids.flatten()), head_dim,
+                                                   kv_scale, dtype)
+            return key.view(num_kv_heads, num_rows, -1, head_dim), value.view(num_kv_heads, num_rows, -1, head_dim)
+        _, num_kv_heads, num_blocks_total, block_size, _ = kv_cache.shape
         # As 3-D (2 * H_kv, blocks, block_size * D), index_select takes its fast row-copy path.
         kv = kv_cache.view(2 * num_kv_heads, num_blocks_total, block_size * head_dim)
         kv = kv.index_select(1, block_ids.flatten())
-        return kv.view(2, num_kv_heads, block_ids.shape[0], block_ids.shape[1] * block_size, head_dim)
+        kv = kv.view(2, num_kv_heads, num_rows, num_blocks * block_size, head_dim).to(dtype)
+        return kv[0], kv[1]
 
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                       sink_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids covering the longest decode context, and an additive (num_decodes, 1, ctx)
-        float32 mask: 0 where a key is visible, -inf past the sequence or outside the window.
-        Built once per step and shared by every layer."""
-        cache_key = ("torch_decode_bias", window)
+        float32 mask: 0 where a key is visible, -inf past the sequence or outside the window and
+        the sinks. Built once per step and shared by every layer."""
+        cache_key = ("torch_decode_bias", window, sink_tokens)
         if cache_key not in md.backend_data:
-            block_ids, visible = decode_context_layout(md, window)
+            block_ids, visible = decode_context_layout(md, window, sink_tokens)
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
             bias.masked_fill_(~visible, float("-inf"))
             md.backend_data[cache_key] = (block_ids, bias[:, None, :])
@@ -154,17 +179,19 @@ class TorchAttentionBackend(AttentionBackend):
     # ---- prefill chunks ----------------------------------------------------------------------
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
                      scale: float, window: int | None,
-                     fresh: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None, sink_tokens: int = 0,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
-        num_kv_heads = kv_cache.shape[1]
         if fresh is not None and seq_len == q_len:
             key, value = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)  # (H_kv, q_len, D)
         else:
-            num_blocks = -(-seq_len // kv_cache.shape[3])
-            kv = self._gather(kv_cache, md.block_tables[i:i + 1, :num_blocks].to(torch.int64))[:, :, 0]
-            key, value = kv[0, :, :seq_len], kv[1, :, :seq_len]
-        mask = prefill_mask(q_len, seq_len, window, query.device)
+            num_blocks = -(-seq_len // md.block_size)
+            key, value = self._gather(kv_cache, md.block_tables[i:i + 1, :num_blocks].to(torch.int64), head_dim,
+                                      kv_scale, query.dtype)
+            key, value = key[:, 0, :seq_len], value[:, 0, :seq_len]
+        num_kv_heads = key.shape[0]
+        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=scale,

@@ -5,7 +5,11 @@ block_size) context, padding masked by seq_lens, and attended in one SDPA call. 
 computed one request at a time with a causal mask offset by the cached prefix:
 
     query i of a chunk of length L over a context of length S sits at position S - L + i and
-    sees keys j with  j <= S - L + i  (and j > S - L + i - window with a sliding window).
+    sees keys j with  j <= S - L + i  (and j > S - L + i - window, or j < sink_tokens, with a
+    sliding window).
+
+A quantized cache is read through the reference codec (kv_compression/formats.py): gathered blocks
+are dequantized whole, then attended exactly as float ones.
 """
 
 from __future__ import annotations
@@ -22,62 +26,81 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch_ref"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        if self.kv_quant is not None:
+            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
+            self.kv_quant.write(key, value, kv_cache, slot_mapping, kv_scale)
+            return
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+                value: torch.Tensor | None = None, *, sink_tokens: int = 0,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale,
-                                                sliding_window)
+                                                sliding_window, sink_tokens, kv_scale)
         qsl = metadata.query_start_loc_cpu
         for i in range(num_decodes, metadata.num_reqs):
             start, end = qsl[i], qsl[i + 1]
             output[start:end] = self._prefill_one(query[start:end], kv_cache, metadata, i, scale,
-                                                  sliding_window)
+                                                  sliding_window, sink_tokens, kv_scale)
         return output
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
+                kv_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `block_ids` (N,) -> K, V (N * block_size, H_kv, D) in `dtype`."""
+        if self.kv_quant is not None:
+            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
+            key, value = self.kv_quant.read_blocks(kv_cache.index_select(1, block_ids), head_dim, kv_scale, dtype)
+            return key.transpose(0, 1), value.transpose(0, 1)
+        num_kv_heads = kv_cache.shape[3]
+        kv = kv_cache.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim).to(dtype)
+        return kv[0], kv[1]
 
     # ---- decodes: one batched SDPA -----------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
-        num_decodes = md.num_decodes
-        block_ids, mask = self._decode_layout(md, window)
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        ctx = block_ids.shape[1] * block_size
-        # One gather for K and V: (2, num_decodes, ctx, H_kv, D)
-        kv = kv_cache.index_select(1, block_ids.flatten()).view(2, num_decodes, ctx, num_kv_heads, head_dim)
-        key, value = kv[0], kv[1]
+                scale: float, window: int | None, sink_tokens: int,
+                kv_scale: torch.Tensor | None) -> torch.Tensor:
+        num_decodes, num_heads, head_dim = query.shape
+        block_ids, mask = self._decode_layout(md, window, sink_tokens)
+        key, value = self._gather(kv_cache, block_ids.flatten(), head_dim, kv_scale, query.dtype)
+        num_kv_heads = key.shape[1]
+        # (num_decodes, ctx, H_kv, D) for every row
+        key = key.view(num_decodes, -1, num_kv_heads, head_dim)
+        value = value.view(num_decodes, -1, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # (num_decodes, H, 1, D)
             key.transpose(1, 2), value.transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != num_kv_heads)
+            attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
         return out.squeeze(2)
 
     @staticmethod
-    def _decode_layout(md: AttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_layout(md: AttentionMetadata, window: int | None,
+                       sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids covering the longest decode context, and a (num_decodes, 1, 1, ctx) mask."""
-        block_ids, visible = decode_context_layout(md, window)
+        block_ids, visible = decode_context_layout(md, window, sink_tokens)
         return block_ids, visible[:, None, None, :]
 
     # ---- prefill chunks: one request at a time -----------------------------------------------
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
-                     scale: float, window: int | None) -> torch.Tensor:
-        q_len = query.shape[0]
+                     scale: float, window: int | None, sink_tokens: int,
+                     kv_scale: torch.Tensor | None) -> torch.Tensor:
+        q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = -(-seq_len // md.block_size)
         block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
-        key = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        value = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-        mask = prefill_mask(q_len, seq_len, window, query.device)
+        key, value = self._gather(kv_cache, block_ids, head_dim, kv_scale, query.dtype)
+        key, value = key[:seq_len], value[:seq_len]
+        num_kv_heads = key.shape[1]
+        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
             key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=query.shape[1] != num_kv_heads)
+            enable_gqa=num_heads != num_kv_heads)
         return out.squeeze(0).transpose(0, 1)

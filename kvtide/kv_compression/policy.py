@@ -62,3 +62,13 @@ def resolve_kv_policy(args, hf_config) -> dict:
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 sliding_window=free_window, kv_sink_tokens=sinks if window is not None else 0,
                 kv_window_tokens=window, kv_drop_policy=policy, kv_drop_budget=budget)
+
+
+def apply_attention_window(layers: list, cache_config) -> None:
+    """--kv-window-tokens / --kv-sink-tokens onto each attention layer (the model's own windows
+    otherwise stay as built)."""
+    if cache_config.kv_window_tokens is None:
+        return
+    for attn in layers:
+        attn.sliding_window = effective_window(attn.sliding_window, cache_config.kv_window_tokens)
+        attn.sink_tokens = cache_config.kv_sink_tokens

@@ -21,14 +21,25 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.sink_tokens = 0
+        """With a window: the first keys every query still sees (set by the runner's KV policy)."""
         self.kv_cache: torch.Tensor | None = None
         """Bound by the model runner, in the backend's layout (AttentionBackend.kv_cache_shape)."""
         self.backend: AttentionBackend | None = None
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        """fp8 caches' per-tensor K and V scales (x = code * scale): the checkpoint's k_scale and
+        v_scale, calculated from the first forward pass (`calculate_kv_scales`), or 1.0."""
+        self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q (T, H, D), k and v (T, H_kv, D) -> (T, H * D)."""
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
-        self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v)
+        if self.calculate_kv_scales:
+            from kvtide.kv_compression.scales import calculate_kv_scale
+
+            calculate_kv_scale(self, k, v)
+        self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping, self.kv_scale)
+        out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v,
+                                   sink_tokens=self.sink_tokens, kv_scale=self.kv_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
+from kvtide.kv_compression.scales import load_checkpoint_kv_scale
 from kvtide.layers.activation import SiluAndMul
 from kvtide.layers.attention import Attention
 from kvtide.layers.embedding import LMHead, VocabEmbedding
@@ -173,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            if load_checkpoint_kv_scale(self, name, tensor):
                 continue
             target, shard_id = name, None
             for ckpt_name, (fused, shard) in self.packed_modules_mapping.items():

@@ -116,8 +116,8 @@ def _bind_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """A cache of num_blocks per layer, bound as ModelRunner.initialize_kv_cache binds the real one
     (without its CUDA-graph capture). The layers get a fresh backend of the runner's kind, so any
     per-cache state a backend keeps goes away with it."""
-    backend = type(runner.attention_backend)()
-    dtype = runner.config.model_config.dtype
+    backend = type(runner.attention_backend)(runner.attention_backend.kv_quant)
+    dtype = runner.kv_tensor_dtype
     runner.kv_caches = []
     for attn in runner.model.attention_layers():
         shape = backend.kv_cache_shape(num_blocks, runner.block_size, attn.num_kv_heads, attn.head_dim)

@@ -15,6 +15,8 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
+from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
+from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
@@ -69,7 +71,13 @@ class ModelRunner:
         self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device),
                                 mc.quant_config)
         self.vocab_size = mc.hf_config.vocab_size
-        self.attention_backend = get_attention_backend(config.device_config.attention_backend)
+        # ---- KV cache format: a float dtype or a quantized layout every backend reads
+        cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
+        self.kv_cache_format = cache_dtype
+        kv_quant = cache_dtype if isinstance(cache_dtype, KVQuantFormat) else None
+        self.kv_tensor_dtype = torch.uint8 if kv_quant is not None else cache_dtype
+        """The dtype of the cache tensors (uint8: a quantized format's bytes)."""
+        self.attention_backend = get_attention_backend(config.device_config.attention_backend, kv_quant)
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self._uids = itertools.count(1)
@@ -95,6 +103,7 @@ class ModelRunner:
             from kvtide.spec_decode.worker import SpecDecodeWorker
 
             self.spec = SpecDecodeWorker(config, self.model, self.device)
+        apply_attention_window(self._cached_attention_layers(), config.cache_config)
 
     def _calibrate_quantization(self, model_dir: str) -> None:
         """Run the float model over the calibration text with its quantization's observers, then
@@ -130,24 +139,28 @@ class ModelRunner:
         return self.model.attention_layers() + (self.spec.attention_layers() if self.spec else [])
 
     def kv_bytes_per_block(self) -> int:
-        layers = self._cached_attention_layers()
-        dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size for a in layers)
+        """Bytes one block takes over every cached layer, in the cache's format (parameters of a
+        quantized one included), so a byte budget holds as many more tokens as the format saves."""
+        return self.block_size * sum(kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
+                                     for a in self._cached_attention_layers())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
         finite values) and bind it to the layer."""
-        self.kv_caches = self._bind_kv_caches(self._cached_attention_layers(), num_blocks)
+        layers = self._cached_attention_layers()
+        self.kv_caches = self._bind_kv_caches(layers, num_blocks)
         self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
         if self.spec is not None:
             self.spec.capture_graphs(self.config)
+        for attn in layers:  # after capture: the first real pass sets the scales (graphs read them in place)
+            attn.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
 
     def _bind_kv_caches(self, layers: list, num_blocks: int) -> list[torch.Tensor]:
         caches = []
         for attn in layers:
             shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
                                                           attn.head_dim)
-            attn.kv_cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
+            attn.kv_cache = torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
             attn.backend = self.attention_backend
             caches.append(attn.kv_cache)
         return caches
