@@ -108,9 +108,9 @@ class CacheConfig:
     kv_window_tokens: int | None = None
     """Attend only the sinks and the last kv_window_tokens tokens (all layers); None: off."""
     kv_drop_policy: str | None = None
-    """'score': drop the KV blocks with the least accumulated attention beyond kv_drop_budget."""
+    """'score': drop the KV blocks with the least accumulated attention (kv_compression/score_dropping.py)."""
     kv_drop_budget: float | None = None
-    """Fraction of a request's full KV the score policy keeps."""
+    """Fraction of a request's full KV blocks the score policy keeps."""
 
 
 @dataclass(frozen=True)

@@ -107,10 +107,11 @@ class EngineArgs:
     """StreamingLLM-style attention: every layer attends only the sink tokens and the last W tokens;
     blocks outside both are returned to the pool, so a request holds O(N + W) KV. Off by default."""
     kv_drop_policy: str | None = None
-    """'score': drop a request's KV blocks with the least accumulated attention (H2O-style) to keep it
-    within --kv-drop-budget of its full KV. Off by default; not with prefix caching."""
+    """'score': drop a request's KV blocks with the least accumulated attention (H2O-style heavy
+    hitters, whole blocks) to keep it within --kv-drop-budget of its full KV. Off by default; not
+    with prefix caching or speculative decoding; the torch attention paths compute the scores."""
     kv_drop_budget: float | None = None
-    """Fraction in (0, 1] of a request's full KV that --kv-drop-policy score keeps."""
+    """Fraction in (0, 1] of a request's full KV blocks that --kv-drop-policy score keeps."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -228,7 +229,7 @@ class EngineArgs:
                                             self.calibration_data, device)
         speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
                                                  device, self.trust_remote_code, self.tokenizer)
-        kv_policy = resolve_kv_policy(self, hf_config)
+        kv_policy = resolve_kv_policy(self, hf_config, backend)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:

@@ -50,6 +50,9 @@ class AttentionMetadata:
     as in the previous step is the same sequence, one token longer (a backend may keep state)."""
     backend_data: dict = field(default_factory=dict)
     """Per-step tensors a backend derives once and reuses in every layer."""
+    has_dropped_blocks: bool = False
+    """Some block table entries are -1: blocks the KV drop policy removed, which no query attends
+    (their positions keep counting, for rotary embeddings and the causal mask)."""
 
 
 class AttentionBackend(abc.ABC):
@@ -83,6 +86,21 @@ class AttentionBackend(abc.ABC):
     def copy_float_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_cache[:, dst] = kv_cache[:, src]
 
+    def gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
+                      kv_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks `block_ids` (N,) int64, as (N * block_size, H_kv, D) in `dtype`, for code
+        outside attention that reads the cache (the drop policy's attention mass)."""
+        if self.kv_quant is not None:
+            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
+            key, value = self.kv_quant.read_blocks(kv_cache.index_select(1, block_ids), head_dim, kv_scale, dtype)
+            return key.transpose(0, 1), value.transpose(0, 1)
+        return self.gather_float_blocks(kv_cache, block_ids, head_dim, dtype)
+
+    def gather_float_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = kv_cache.index_select(1, block_ids).view(2, -1, kv_cache.shape[3], head_dim).to(dtype)
+        return kv[0], kv[1]
+
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
@@ -101,18 +119,32 @@ class AttentionBackend(abc.ABC):
 
 
 def prefill_mask(q_len: int, seq_len: int, window: int | None, device: torch.device,
-                 sink_tokens: int = 0) -> torch.Tensor | None:
+                 sink_tokens: int = 0, key_valid: torch.Tensor | None = None) -> torch.Tensor | None:
     """(q_len, seq_len) bool mask for a chunk of q_len queries ending a context of seq_len: query i
     sits at position seq_len - q_len + i and sees keys j <= that position (and j > it - window, or
-    j < sink_tokens). None when plain causal attention (SDPA's is_causal) is exactly that."""
-    if seq_len == q_len and window is None:
+    j < sink_tokens), and only keys whose `key_valid` (>= seq_len,) is set. None when plain causal
+    attention (SDPA's is_causal) is exactly that."""
+    if seq_len == q_len and window is None and key_valid is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= (k_pos > q_pos - window) | (k_pos < sink_tokens)
+    if key_valid is not None:
+        mask &= key_valid[None, :seq_len]
     return mask
+
+
+def request_blocks(md: AttentionMetadata, row: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row `row`'s first num_blocks block ids as int64, with dropped (-1) entries replaced by block 0,
+    and which of their positions hold attendable keys ((num_blocks * block_size,) bool), or None
+    when no block of the step is dropped."""
+    ids = md.block_tables[row, :num_blocks].to(torch.int64)
+    if not md.has_dropped_blocks:
+        return ids, None
+    valid = (ids >= 0).repeat_interleave(md.block_size)
+    return ids.clamp(min=0), valid
 
 
 def decode_context_layout(md: AttentionMetadata, window: int | None,
@@ -129,6 +161,9 @@ def decode_context_layout(md: AttentionMetadata, window: int | None,
         block_ids = md.block_tables[:md.num_decodes, :num_blocks].to(torch.int64)
         pos = torch.arange(num_blocks * md.block_size, device=seq_lens.device)
         visible = pos[None, :] < seq_lens[:, None]
+        if md.has_dropped_blocks:  # -1 entries: read block 0 in their place, never attended
+            visible &= (block_ids >= 0).repeat_interleave(md.block_size, dim=1)
+            block_ids = block_ids.clamp(min=0)
         if window is not None:
             visible &= (pos[None, :] > (seq_lens[:, None] - 1 - window)) | (pos[None, :] < sink_tokens)
         md.backend_data[key] = (block_ids, visible)

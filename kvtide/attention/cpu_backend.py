@@ -1,11 +1,17 @@
 """The CPU backend (default on CPU): decodes and short query rows through the compiled paged kernel.
 
-    kv_cache: (2, num_kv_heads, num_blocks, block_size, head_dim)    the torch backend's layout
+    kv_cache: (2, num_kv_heads, num_blocks, block_size, head_dim)    the torch backend's layout, in
+              float32, bfloat16 or float16 (not necessarily the query's dtype), or
+              (num_kv_heads, num_blocks, block_bytes) uint8            a quantized format's layout
 
     rows with q_len <= KERNEL_MAX_QUERY_LEN  ->  csrc/paged_attention.cpp: each row reads its blocks
         in place through the block table (no gather copy, no per-layer state), the query heads of
-        a GQA group and the row's query tokens sharing every K/V block read
+        a GQA group and the row's query tokens sharing every K/V block read; a quantized block is
+        dequantized inside the kernel, into a block-sized buffer
     longer rows (prefill chunks)             ->  the torch backend's SDPA paths
+
+A quantized cache's K/V are written by the compiled write_kv_quant, which produces the reference
+codec's bytes (kv_compression/formats.py) without its per-call tensor temporaries.
 
 Short multi-token rows over a cached context (speculative verification, the small tail of a chunked
 prefill) gain as much as decodes: SDPA would first gather their whole context. Without the compiled
@@ -18,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from kvtide.attention.backend import AttentionMetadata
-from kvtide.attention.cpu_extension import load_paged_attention
+from kvtide.attention.cpu_extension import load_attention_op, load_paged_attention
 from kvtide.attention.torch_backend import TorchAttentionBackend
+from kvtide.kv_compression.formats import KIND_IDS, KVQuantFormat
 
 KERNEL_MAX_QUERY_LEN = 8
 """Longest query row sent to the kernel. Measured against gather + SDPA (scripts/bench_cpu_attention.py
@@ -27,28 +34,52 @@ KERNEL_MAX_QUERY_LEN = 8
 SDPA's time at 1-4 query tokens, 0.96x at 8, 1.2x at 12 and 1.8x at 32 (it computes each query's
 scores one key at a time, while SDPA's blocked matmuls reuse every loaded key across queries)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Query dtypes the kernel takes."""
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Float cache dtypes it reads (converted to float32 in its workspace when not float32)."""
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._op = load_paged_attention()  # None: pure torch (the loader logged why)
+    def __init__(self, kv_quant: KVQuantFormat | None = None) -> None:
+        super().__init__(kv_quant)
+        # None: pure torch (the loader logged why). One build holds all three.
+        self._op = load_paged_attention()
+        self._quant_op = load_attention_op("paged_attention_quant")
+        self._write_op = load_attention_op("write_kv_quant")
+        self._kinds = (KIND_IDS[kv_quant.k_kind], KIND_IDS[kv_quant.v_kind]) if kv_quant is not None else None
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        if self.kv_quant is None or self._write_op is None or key.device.type != "cpu":
+            return super().write_kv(key, value, kv_cache, slot_mapping, kv_scale)
+        block_size = kv_cache.shape[2] // self.kv_quant.bytes_per_token(key.shape[-1])
+        self._write_op(key, value, kv_cache, slot_mapping, *self._kinds, kv_scale, block_size)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
-        if self._op is None or query.dtype not in KERNEL_DTYPES or query.device.type != "cpu":
-            return super().forward(query, kv_cache, metadata, scale, sliding_window, key, value)
+                value: torch.Tensor | None = None, *, sink_tokens: int = 0,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        quantized = self.kv_quant is not None
+        op = self._quant_op if quantized else self._op
+        if (op is None or query.dtype not in KERNEL_DTYPES or query.device.type != "cpu"
+                or not (quantized or kv_cache.dtype in KERNEL_CACHE_DTYPES)):
+            return super().forward(query, kv_cache, metadata, scale, sliding_window, key, value,
+                                   sink_tokens=sink_tokens, kv_scale=kv_scale)
         output = torch.empty_like(query)
         kernel_runs, other_rows = self._split_rows(metadata)
         for first, end in kernel_runs:
             # Row slices of the metadata: query_start_loc keeps absolute token offsets.
-            self._op(output, query, kv_cache, metadata.block_tables[first:end], metadata.seq_lens[first:end],
-                     metadata.query_start_loc[first:end + 1], end - first, scale, sliding_window or 0)
+            rows = (output, query, kv_cache, metadata.block_tables[first:end], metadata.seq_lens[first:end],
+                    metadata.query_start_loc[first:end + 1], end - first, scale, sliding_window or 0)
+            if quantized:
+                op(*rows, sink_tokens, *self._kinds, kv_scale, query.shape[-1], metadata.block_size)
+            else:
+                op(*rows, 0, sink_tokens)
         if other_rows:
-            self._prefill(output, query, kv_cache, metadata, other_rows, scale, sliding_window, key, value)
+            self._prefill(output, query, kv_cache, metadata, other_rows, scale, sliding_window, key, value,
+                          sink_tokens=sink_tokens, kv_scale=kv_scale)
         return output
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""The compiled CPU ops, built on first use: paged attention (csrc/paged_attention.cpp) and the
-quantized linears (layers/quantization/csrc/quantized_linear.cpp).
+"""The compiled CPU ops, built on first use: paged attention over float and quantized caches and the
+quantized K/V write (csrc/paged_attention.cpp, one library), and the quantized linears
+(layers/quantization/csrc/quantized_linear.cpp).
 
 Each source is compiled once per ISA, each build its own library and op namespace
 (`torch.ops.kvtide_avx512`, `kvtide_avx2`, `kvtide_default` for attention; `kvtide_quant_<isa>`
@@ -58,7 +59,13 @@ def available_isas() -> list[str]:
 def load_paged_attention(isa: str | None = None) -> Callable | None:
     """`torch.ops.kvtide_<isa>.paged_attention` for `isa` (default: the best this CPU runs), built
     if needed; None where it cannot be (the reason logged once). Cached per process."""
-    return load_cpu_op(SOURCE, "kvtide", "paged_attention", "compiled CPU attention", isa)
+    return load_attention_op("paged_attention", isa)
+
+
+def load_attention_op(op: str, isa: str | None = None) -> Callable | None:
+    """One op of csrc/paged_attention.cpp's library: paged_attention, paged_attention_quant or
+    write_kv_quant (all from the same build), as load_paged_attention."""
+    return load_cpu_op(SOURCE, "kvtide", op, "compiled CPU attention", isa)
 
 
 def load_cpu_op(source: Path, library: str, op: str, what: str, isa: str | None = None) -> Callable | None:

@@ -25,7 +25,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout, prefill_mask
+from kvtide.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    decode_context_layout,
+    prefill_mask,
+    request_blocks,
+)
 
 SOFTMAX_CUTOFF = 64.0
 """Decode keys scoring more than this below their row's best get weight exactly 0. Their true
@@ -162,6 +168,11 @@ class TorchAttentionBackend(AttentionBackend):
         kv = kv.view(2, num_kv_heads, num_rows, num_blocks * block_size, head_dim).to(dtype)
         return kv[0], kv[1]
 
+    def gather_float_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key, value = self._gather(kv_cache, block_ids[None], head_dim, None, dtype)  # (H_kv, 1, N * B, D)
+        return key[:, 0].transpose(0, 1), value[:, 0].transpose(0, 1)
+
     @staticmethod
     def _decode_layout(md: AttentionMetadata, window: int | None,
                        sink_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,15 +194,15 @@ class TorchAttentionBackend(AttentionBackend):
                      kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
+        key_valid = None
         if fresh is not None and seq_len == q_len:
             key, value = fresh[0].transpose(0, 1), fresh[1].transpose(0, 1)  # (H_kv, q_len, D)
         else:
-            num_blocks = -(-seq_len // md.block_size)
-            key, value = self._gather(kv_cache, md.block_tables[i:i + 1, :num_blocks].to(torch.int64), head_dim,
-                                      kv_scale, query.dtype)
+            block_ids, key_valid = request_blocks(md, i, -(-seq_len // md.block_size))
+            key, value = self._gather(kv_cache, block_ids[None], head_dim, kv_scale, query.dtype)
             key, value = key[:, 0, :seq_len], value[:, 0, :seq_len]
         num_kv_heads = key.shape[0]
-        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens)
+        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens, key_valid)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=scale,

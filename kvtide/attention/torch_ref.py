@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtide.attention.backend import AttentionBackend, AttentionMetadata, decode_context_layout, prefill_mask
+from kvtide.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    decode_context_layout,
+    prefill_mask,
+    request_blocks,
+)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -51,24 +57,13 @@ class TorchReferenceBackend(AttentionBackend):
                                                   sliding_window, sink_tokens, kv_scale)
         return output
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
-                kv_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks `block_ids` (N,) -> K, V (N * block_size, H_kv, D) in `dtype`."""
-        if self.kv_quant is not None:
-            assert kv_scale is not None, "a quantized KV cache needs the layer's kv_scale"
-            key, value = self.kv_quant.read_blocks(kv_cache.index_select(1, block_ids), head_dim, kv_scale, dtype)
-            return key.transpose(0, 1), value.transpose(0, 1)
-        num_kv_heads = kv_cache.shape[3]
-        kv = kv_cache.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim).to(dtype)
-        return kv[0], kv[1]
-
     # ---- decodes: one batched SDPA -----------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 scale: float, window: int | None, sink_tokens: int,
                 kv_scale: torch.Tensor | None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         block_ids, mask = self._decode_layout(md, window, sink_tokens)
-        key, value = self._gather(kv_cache, block_ids.flatten(), head_dim, kv_scale, query.dtype)
+        key, value = self.gather_blocks(kv_cache, block_ids.flatten(), head_dim, kv_scale, query.dtype)
         num_kv_heads = key.shape[1]
         # (num_decodes, ctx, H_kv, D) for every row
         key = key.view(num_decodes, -1, num_kv_heads, head_dim)
@@ -92,12 +87,11 @@ class TorchReferenceBackend(AttentionBackend):
                      kv_scale: torch.Tensor | None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
-        num_blocks = -(-seq_len // md.block_size)
-        block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
-        key, value = self._gather(kv_cache, block_ids, head_dim, kv_scale, query.dtype)
+        block_ids, key_valid = request_blocks(md, i, -(-seq_len // md.block_size))
+        key, value = self.gather_blocks(kv_cache, block_ids, head_dim, kv_scale, query.dtype)
         key, value = key[:seq_len], value[:seq_len]
         num_kv_heads = key.shape[1]
-        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens)
+        mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens, key_valid)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
             key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),

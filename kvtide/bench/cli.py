@@ -1,4 +1,4 @@
-"""`kvtide bench throughput|latency|serve|compare|quality`, registered into the `kvtide` command."""
+"""`kvtide bench throughput|latency|serve|compare|quality|kv-cache`, registered into the `kvtide` command."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ SUBCOMMANDS = {
                 "kvtide.bench.compare", "add_compare_args", "main_compare"),
     "quality": ("what a quantization or dtype costs: perplexity on a text, KL and top-1 agreement to float32",
                 "kvtide.bench.quality", "add_quality_args", "main_quality"),
+    "kv-cache": ("KV-cache dtypes side by side: sequences that fit in one --kv-cache-memory, throughput, decode",
+                 "kvtide.bench.kv_cache", "add_kv_cache_args", "main_kv_cache"),
 }
 
 
 def register(subparsers) -> None:
     import importlib
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality, kv-cache")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (help_text, module_name, add_args, main) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

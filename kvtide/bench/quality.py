@@ -11,6 +11,11 @@ quantization, by default) and with the configuration under test, and reports per
   top-1        fraction of scored positions where both configurations' argmax agree
 
     kvtide bench quality --model smollm2 --quantization int8 --text wiki.txt
+    kvtide bench quality --model smollm2 --kv-cache-dtype fp8,int8,k8v4 --text wiki.txt
+
+The KV cache counts as part of a configuration: --kv-cache-dtype (several, comma-separated, each
+scored against the one reference run), --kv-window-tokens with --kv-sink-tokens. The reference keeps
+the full-precision cache and full attention unless --reference-kv-cache-dtype says otherwise.
 
 Tokenization: the text is tokenized once with the model's tokenizer without special tokens and cut
 to --max-tokens. If the tokenizer adds a BOS by default (Llama's and the byte tokenizer of the demo
@@ -125,13 +130,22 @@ def plan_windows(num_tokens: int, context_length: int, bos: bool, stride: int | 
 
 
 def describe(args: EngineArgs, dtype: torch.dtype) -> str:
-    """A configuration's label: its dtype as loaded, and its quantization when it has one."""
+    """A configuration's label: its dtype as loaded, and its quantization and KV cache settings
+    when they differ from the defaults."""
     label = str(dtype).removeprefix("torch.")
     if args.quantization:
         label += f", quantization={args.quantization}"
         if args.quantization_group_size:
             label += f" g{args.quantization_group_size}"
+    if args.kv_cache_dtype != "auto":
+        label += f", kv={args.kv_cache_dtype}"
+    if args.kv_window_tokens is not None:
+        label += f", sinks={args.kv_sink_tokens} window={args.kv_window_tokens}"
     return label
+
+
+FULL_KV = dict(kv_cache_dtype="auto", calculate_kv_scales=False, kv_window_tokens=None, kv_sink_tokens=0)
+"""The reference's KV cache: the model's dtype, every token kept."""
 
 
 def _tokenize(args: EngineArgs, model_dir: str, text: str, max_tokens: int) -> tuple[list[int], int | None]:
@@ -204,7 +218,7 @@ def evaluate_configurations(configurations: list[EngineArgs], text: str, referen
     first = configurations[0]
     if reference_args is None:
         reference_args = first.replace(dtype="float32", quantization=None, quantization_group_size=None,
-                                       calibration_data=None)
+                                       calibration_data=None, **FULL_KV)
     token_ids, bos = _tokenize(first, first.resolve_model_dir(), text, max_tokens)
     span = context_length - (bos is not None)  # text tokens per window
     stride = span if stride is None else min(stride, span)
@@ -273,7 +287,10 @@ def add_quality_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-model", default=None,
                         help="the reference's checkpoint (default: --model), e.g. a float32 export of a GGUF, "
                              "whose own quantization the engine keeps")
-    group = parser.add_argument_group("engine (kvtide; the configuration under test)")
+    parser.add_argument("--reference-kv-cache-dtype", default="auto",
+                        help="KV cache dtype of the reference (default auto: the model's dtype, full precision)")
+    group = parser.add_argument_group("engine (kvtide; the configuration under test; --kv-cache-dtype "
+                                      "may list several, comma-separated)")
     EngineArgs.add_cli_args(group, skip=("model",))
 
 
@@ -282,8 +299,9 @@ def _quantization(value: str | None) -> dict:
     return {"quantization": None if value is None or value.lower() == "none" else value}
 
 
-def quality_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, EngineArgs, str]:
-    """(configuration, reference, text) from the parsed flags; reads and checks the text file."""
+def quality_args_from_cli(args: argparse.Namespace) -> tuple[list[EngineArgs], EngineArgs, str]:
+    """(configurations, reference, text) from the parsed flags; reads and checks the text file.
+    One configuration per --kv-cache-dtype listed."""
     if not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text}: no such file")
     with open(args.text, encoding="utf-8") as f:
@@ -291,20 +309,25 @@ def quality_args_from_cli(args: argparse.Namespace) -> tuple[EngineArgs, EngineA
     check_quality_args(text, args.context_length, args.max_tokens, args.stride)
     kwargs = engine_kwargs_from_args(args)
     kwargs.update(_quantization(args.quantization))
-    engine_args = EngineArgs(model=args.model, **kwargs)
-    reference = engine_args.replace(model=args.reference_model or args.model, dtype=args.reference_dtype,
-                                    quantization_group_size=None, calibration_data=None,
-                                    **_quantization(args.reference_quantization))
-    return engine_args, reference, text
+    kv_dtypes = [d.strip() for d in str(kwargs.pop("kv_cache_dtype", "auto")).split(",") if d.strip()] or ["auto"]
+    configurations = [EngineArgs(model=args.model, kv_cache_dtype=d, **kwargs) for d in kv_dtypes]
+    reference = configurations[0].replace(model=args.reference_model or args.model, dtype=args.reference_dtype,
+                                          quantization_group_size=None, calibration_data=None,
+                                          **_quantization(args.reference_quantization),
+                                          **{**FULL_KV, "kv_cache_dtype": args.reference_kv_cache_dtype})
+    return configurations, reference, text
 
 
-def format_report(r: QualityReport) -> str:
+def format_report(report: QualityReport | list[QualityReport]) -> str:
+    """One table: the reference's row, then one row per configuration."""
+    reports = report if isinstance(report, list) else [report]
+    r = reports[0]
     head = (f"{r.model}: {r.tokens_scored} tokens in {r.num_windows} window(s) of {r.context_length} "
             f"(stride {r.stride}{', BOS first' if r.bos else ''})")
     rows = [("configuration", "tokens", "perplexity", "mean KL", "max KL", "top-1"),
-            (f"{r.reference} (reference)", str(r.tokens_scored), f"{r.reference_perplexity:.4f}", "0", "0", "1"),
-            (r.configuration, str(r.tokens_scored), f"{r.perplexity:.4f}", f"{r.mean_kl:.3e}", f"{r.max_kl:.3e}",
-             f"{r.top1_agreement:.4f}")]
+            (f"{r.reference} (reference)", str(r.tokens_scored), f"{r.reference_perplexity:.4f}", "0", "0", "1")]
+    rows += [(c.configuration, str(c.tokens_scored), f"{c.perplexity:.4f}", f"{c.mean_kl:.3e}", f"{c.max_kl:.3e}",
+              f"{c.top1_agreement:.4f}") for c in reports]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
@@ -312,10 +335,14 @@ def format_report(r: QualityReport) -> str:
 
 
 def main_quality(args: argparse.Namespace) -> int:
-    engine_args, reference, text = quality_args_from_cli(args)
-    report = evaluate_quality(engine_args, text, reference, args.context_length, args.max_tokens, args.stride)
-    result = {**report.to_dict(), "text_file": args.text}
-    return print_and_save(result, format_report(report), args.output_json)
+    configurations, reference, text = quality_args_from_cli(args)
+    reports = evaluate_configurations(configurations, text, reference, args.context_length, args.max_tokens,
+                                      args.stride)
+    if len(reports) == 1:
+        result: dict = {**reports[0].to_dict(), "text_file": args.text}
+    else:
+        result = {"text_file": args.text, "configurations": [r.to_dict() for r in reports]}
+    return print_and_save(result, format_report(reports), args.output_json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,22 @@ It owns request -> blocks, so every ref-count change for a request happens here:
     free(req)                           drop the request's references (tail blocks evicted first)
     fork(parent, child)                 the child shares the parent's computed blocks (ref counts)
 
-Block tables are append-only while a request lives, with one exception: copy-on-write replaces a
-shared block the request is about to write into (a forked partial block); preemption frees them whole.
+Block tables are append-only while a request lives, with two exceptions: copy-on-write replaces a
+shared block the request is about to write into (a forked partial block), and under a sliding
+window a block no later query reads is given back, its entry replaced by a `FreedBlock`;
+preemption frees them whole.
 
     request blocks:  [ b3 | b8 | b1 | b4 ]      block_size = 4
     tokens:           0123 4567 89.. ....
                       └─ full, hashed ─┘└ partial: filled as tokens are computed
+
+Sliding window W with S sink tokens (a query at p sees keys j <= p with j > p - W, or j < S):
+once a step starts at position c, a block wholly before c - W + 1 that holds no sink is never read
+again, so it goes back to the pool when the step is allocated. The table keeps its length
+(position p stays at index p // block_size), so a long request holds O(W + S) blocks.
+
+    W = 6, S = 0, block_size = 4, step starts at c = 13 (keys >= 8 are read):
+    request blocks:  [ freed | freed | b1 | b4 ]
 """
 
 from __future__ import annotations
@@ -28,6 +38,30 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class FreedBlock:
+    """A table entry whose block went back to the pool because it lies wholly outside the
+    attention window: no later query of the request reads it.
+
+    `block_id` is a real block id (the block it was, or the published block holding the same KV),
+    so block tables may show it: every attention backend masks keys by position, so whoever holds
+    that block now, it is only ever read under a zero weight. (block_id, generation) is also the
+    entry's lineage, the parent the next block is published under (`KVCacheBlock.parent`): the
+    pool reads just these two fields, and a parent reallocated since (a newer generation) can
+    only cost a hit, never match a wrong chain."""
+
+    __slots__ = ("block_id", "generation")
+
+    def __init__(self, block_id: int, generation: int) -> None:
+        self.block_id = block_id
+        self.generation = generation
+
+    def __repr__(self) -> str:
+        return f"FreedBlock(id={self.block_id}, gen={self.generation})"
+
+
+TableEntry = KVCacheBlock | FreedBlock
+
+
 @dataclass
 class PrefixCacheStats:
     """Counters in tokens: how many prompt tokens were looked up and how many were hits."""
@@ -39,12 +73,22 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256") -> None:
+                 hash_algo: str = "sha256", sliding_window: int | None = None,
+                 sink_tokens: int = 0) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_algo)
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.sliding_window = sliding_window
+        """Every query attends within this window (plus the sinks); None: full attention, nothing freed."""
+        self.sink_tokens = sink_tokens
+        self._num_sink_blocks = cdiv(sink_tokens, block_size)
+        """Blocks holding a sink position: never freed while the request lives."""
+        self.req_to_blocks: dict[str, list[TableEntry]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         # Copy-on-write since the last take_block_copies(): (src, dst) block ids, and the requests
@@ -60,7 +104,25 @@ class KVCacheManager:
         return self.pool.usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table. A freed entry shows a real block id that the request no
+        longer holds (see FreedBlock): it is never read unmasked."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks the request holds references on now (freed window entries excluded)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if isinstance(b, KVCacheBlock))
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` KV tokens holds at once when no step computes
+        more than `max_step_tokens` tokens: all of them, or under a window the sink blocks plus the
+        blocks from the window's first key to the end of a step. A step starting at c holds blocks
+        floor((c - W + 1) / B) .. cdiv(c + n, B) - 1, at most cdiv(W + n + B - 2, B) of them."""
+        full = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return full
+        step = min(max_step_tokens, num_tokens)
+        window = cdiv(self.sliding_window + step + self.block_size - 2, self.block_size)
+        return min(full, self._num_sink_blocks + window)
 
     # ---- prefix lookup ---------------------------------------------------------------------
     def _update_hashes(self, request: Request) -> None:
@@ -114,16 +176,20 @@ class KVCacheManager:
 
         A block the new tokens land in that other requests still share (after a fork), or that is
         published in the prefix cache, is copied first: shared and cached KV never changes.
-        Returns the newly allocated blocks, or None, changing nothing, when the pool is short."""
-        new_computed_blocks = new_computed_blocks or []
+        Under a sliding window, the blocks no query from this step on reads are freed first (they
+        are freed even if the step does not fit), and prefix hits outside the window are not taken.
+        Returns the newly allocated blocks, or None, changing nothing else, when the pool is short."""
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        self._free_outside_window(request, req_blocks, num_computed)
+        hits = self._hits_in_window(new_computed_blocks or [], len(req_blocks), num_computed)
+        live_hits = [b for b in hits if isinstance(b, KVCacheBlock)]
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
+        num_new_blocks = max(num_required - len(req_blocks) - len(hits), 0)
         to_copy = [i for i in range(num_computed // self.block_size, len(req_blocks))
                    if req_blocks[i].ref_cnt > 1 or req_blocks[i].block_hash is not None]
         # Hits sitting in the free queue stop being allocatable once we take them.
-        num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_hits_in_free_queue = sum(1 for b in live_hits if b.ref_cnt == 0)
         if num_new_blocks + len(to_copy) > self.pool.num_free_blocks - num_hits_in_free_queue:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
@@ -132,28 +198,75 @@ class KVCacheManager:
             self._record_prefix_lookup(request, num_new_computed_tokens)
         if to_copy:
             self._copy_on_write(request.request_id, req_blocks, to_copy)
-        self.pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
+        self.pool.touch(live_hits)
+        req_blocks.extend(hits)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
+    # ---- sliding window --------------------------------------------------------------------
+    def _outside_window(self, num_computed: int) -> range:
+        """Table indices no query at a position >= num_computed reads: past the sink blocks and
+        wholly before the window's first key, num_computed - W + 1."""
+        if self.sliding_window is None:
+            return range(0)
+        first_key = max(num_computed - self.sliding_window + 1, 0)
+        return range(self._num_sink_blocks, first_key // self.block_size)
+
+    def _free_outside_window(self, request: Request, req_blocks: list[TableEntry], num_computed: int) -> None:
+        """Give back the request's blocks that fell out of the window, tail first into the LRU queue.
+
+        Freed entries form one run from the sink blocks up, so the scan stops at the first entry
+        freed before. Blocks are published first: an entry's lineage is fixed as it leaves."""
+        outside = self._outside_window(num_computed)
+        stop = min(outside.stop, len(req_blocks))
+        if stop <= outside.start or isinstance(req_blocks[stop - 1], FreedBlock):
+            return
+        self._cache_full_blocks(request, num_computed)
+        freed: list[KVCacheBlock] = []
+        for i in range(stop - 1, outside.start - 1, -1):
+            block = req_blocks[i]
+            if isinstance(block, FreedBlock):
+                break
+            lineage = self._lineage(request, i)
+            req_blocks[i] = FreedBlock(lineage.block_id, lineage.generation)
+            freed.append(block)
+        self.pool.free_blocks(freed)
+
+    def _hits_in_window(self, hits: list[KVCacheBlock], first_index: int, num_computed: int) -> list[TableEntry]:
+        """Prefix hits as table entries from `first_index` on: a hit outside the window is not
+        taken (a published block is its own lineage), so it stays free and costs nothing."""
+        outside = self._outside_window(num_computed)
+        return [FreedBlock(b.block_id, b.generation) if first_index + k in outside else b
+                for k, b in enumerate(hits)]
+
+    # ---- publishing ------------------------------------------------------------------------
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
-        """Publish blocks that are full once this step's tokens are written."""
+        """Publish blocks that are full once this step's tokens are written. Freed entries were
+        published (or could not be) before they were freed."""
         if not self.enable_caching:
             return
         req_id = request.request_id
-        num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
+        blocks = self.req_to_blocks[req_id]
+        num_full = min(min(num_tokens_after_step, request.num_tokens) // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(req_id, 0)
         if num_full <= start:
             return
         self._update_hashes(request)
-        blocks = self.req_to_blocks[req_id]
         for i in range(start, num_full):
-            parent = self._published_equivalent(blocks[i - 1], request.block_hashes[i - 1]) if i else None
-            self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
+            block = blocks[i]
+            if isinstance(block, KVCacheBlock):
+                self.pool.cache_block(block, request.block_hashes[i], self._lineage(request, i - 1) if i else None)
         self._num_cached_blocks[req_id] = num_full
+
+    def _lineage(self, request: Request, index: int) -> KVCacheBlock | FreedBlock:
+        """What the request's block `index` counts as when a later block is published after it: a
+        freed entry's recorded lineage, else the block or its published equivalent."""
+        block = self.req_to_blocks[request.request_id][index]
+        if isinstance(block, FreedBlock) or not self.enable_caching or index >= len(request.block_hashes):
+            return block
+        return self._published_equivalent(block, request.block_hashes[index])
 
     def _published_equivalent(self, block: KVCacheBlock, block_hash) -> KVCacheBlock:
         """`block` if it is published, else the published block under the same key computed after
@@ -186,7 +299,11 @@ class KVCacheManager:
         parent_blocks = self.req_to_blocks.get(parent.request_id, [])
         assert len(parent_blocks) >= num_shared, (len(parent_blocks), num_shared)
         shared = parent_blocks[:num_shared]
-        self.pool.touch(shared)
+        needed = range(max(self._outside_window(num_computed).stop, self._num_sink_blocks), num_shared)
+        # The parent freed only what no query at or after its own step start reads, and a child
+        # starts there or later: whatever the child still reads is live.
+        assert all(isinstance(shared[i], KVCacheBlock) for i in needed), "fork needs a freed block"
+        self.pool.touch(b for b in shared if isinstance(b, KVCacheBlock))
         self.req_to_blocks[child.request_id] = list(shared)
         child.num_computed_tokens = num_computed
         num_full = num_computed // self.block_size
@@ -194,7 +311,7 @@ class KVCacheManager:
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), num_full)
 
-    def _copy_on_write(self, request_id: str, req_blocks: list[KVCacheBlock], indices: list[int]) -> None:
+    def _copy_on_write(self, request_id: str, req_blocks: list[TableEntry], indices: list[int]) -> None:
         for i in indices:
             src = req_blocks[i]
             dst = self.pool.get_new_blocks(1)[0]
@@ -216,17 +333,21 @@ class KVCacheManager:
         prefix's head is the part most likely to be hit again."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed([b for b in blocks if isinstance(b, KVCacheBlock)]))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref count equals the number of live tables holding it."""
+        """Pool invariants, plus: each block's ref count equals the number of live tables holding
+        it, and freed entries are one run past the sink blocks."""
         self.pool.check_integrity()
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
+            freed = [i for i, b in enumerate(blocks) if isinstance(b, FreedBlock)]
+            assert freed == list(range(self._num_sink_blocks, self._num_sink_blocks + len(freed))), freed
             for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                if isinstance(b, KVCacheBlock):
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (block, holders.get(block.block_id))

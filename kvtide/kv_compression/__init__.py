@@ -1,2 +1,2 @@
-"""KV-cache compression: quantized cache dtypes (`formats.py`), their per-layer scales (`scales.py`)
-and the token-dropping policies that bound a request's KV (`token_dropping.py`)."""
+"""KV-cache compression: quantized cache dtypes (`formats.py`), their per-layer scales (`scales.py`),
+and the sink + window attention policy that bounds a request's KV (`policy.py`)."""

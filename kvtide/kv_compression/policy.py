@@ -28,8 +28,9 @@ def effective_window(model_window: int | None, kv_window_tokens: int | None) -> 
     return kv_window_tokens if model_window is None else min(model_window, kv_window_tokens)
 
 
-def resolve_kv_policy(args, hf_config) -> dict:
-    """EngineArgs -> the CacheConfig fields of KV compression; a bad combination is a ValueError."""
+def resolve_kv_policy(args, hf_config, attention_backend: str) -> dict:
+    """EngineArgs (with the resolved attention backend) -> the CacheConfig fields of KV compression;
+    a bad combination is a ValueError."""
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {args.kv_cache_dtype!r}")
     if args.calculate_kv_scales and args.kv_cache_dtype not in QUANT_KV_DTYPES:
@@ -57,6 +58,12 @@ def resolve_kv_policy(args, hf_config) -> dict:
         if window is not None:
             raise ValueError("--kv-drop-policy and --kv-window-tokens are two ways to bound a request's KV; "
                              "choose one")
+        if args.speculative_config is not None:
+            raise ValueError("--kv-drop-policy does not combine with speculative decoding yet (a rejected "
+                             "draft's attention would count toward the scores); drop one of them")
+        if attention_backend == "triton":
+            raise ValueError("--kv-drop-policy needs the torch attention paths (--attention-backend cpu, torch "
+                             "or torch_ref): the Triton kernel does not skip dropped blocks yet")
     windows = [effective_window(w, window) for w in layer_windows(hf_config)]
     free_window = max(windows) if windows and all(w is not None for w in windows) else None  # type: ignore[type-var]
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionBackend, AttentionMetadata
+from kvtide.kv_compression.score_dropping import MASS_KEY, accumulate_attention_mass
 
 
 class Attention(nn.Module):
@@ -42,4 +43,8 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping, self.kv_scale)
         out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v,
                                    sink_tokens=self.sink_tokens, kv_scale=self.kv_scale)
+        mass = metadata.backend_data.get(MASS_KEY)
+        if mass is not None:  # the score drop policy: what each cached block received, this layer
+            accumulate_attention_mass(mass, q, self.kv_cache, metadata, self.backend, self.scale,
+                                      self.sliding_window, self.sink_tokens, self.kv_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -35,6 +35,9 @@ class CachedRequestData:
     new_token_ids: list[int] = field(default_factory=list)
     """Tokens the scheduler appended that the runner did not sample (structured output's
     jump-forward): the runner appends them before computing this step."""
+    dropped_block_indices: list[int] = field(default_factory=list)
+    """Indices into the request's block table of blocks the KV drop policy removed since the last
+    step: the runner marks them -1, which no query attends."""
 
 
 @dataclass
@@ -92,3 +95,6 @@ class ModelRunnerOutput:
     """request id -> logprobs of each accepted draft token (None entries when not asked)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """request id -> drafts the proposer made and the step verified (<= its draft slots)."""
+    kv_block_mass: dict[str, list[float]] = field(default_factory=dict)
+    """With the score drop policy: request id -> attention mass each of its blocks received this
+    step (per block index, over every layer, head and query of the step)."""

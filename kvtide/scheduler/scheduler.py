@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from kvtide.config import CacheConfig, SchedulerConfig
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import Request, RequestStatus
-from kvtide.kv_cache.manager import KVCacheManager, cdiv
+from kvtide.kv_cache.manager import KVCacheManager
 from kvtide.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -109,7 +109,9 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching,
-                                               cache_config.prefix_caching_hash_algo)
+                                               cache_config.prefix_caching_hash_algo,
+                                               sliding_window=cache_config.sliding_window,
+                                               sink_tokens=cache_config.kv_sink_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -129,9 +131,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        # The last sampled token ends the request before its KV is written.
+        # The last sampled token ends the request before its KV is written. Under a sliding window
+        # the request holds only the sinks, the window and one step's tokens at a time; no step
+        # computes more than the token budget.
         num_kv_tokens = max(longest - 1, request.num_prompt_tokens)
-        needed = cdiv(num_kv_tokens, self.block_size)
+        needed = self.kv_cache_manager.max_blocks_held(num_kv_tokens, self.config.max_num_batched_tokens)
         if needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"request needs up to {needed} KV blocks ({num_kv_tokens} tokens) but the cache holds only "

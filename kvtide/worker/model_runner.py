@@ -17,6 +17,7 @@ from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
+from kvtide.kv_compression.score_dropping import MASS_KEY
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
@@ -179,8 +180,12 @@ class ModelRunner:
         if so.grammar is not None and drafts:  # structured output: drafts the grammar forbids are cut
             drafts = so.grammar.check_drafts(drafts, keep=self.spec.sampled_draft_ids(drafts))
         inputs = self._prepare_inputs(so, drafts)
+        mass = self._score_accumulator(inputs.metadata)
         hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
+        if mass is not None:
+            output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
+                                    for i, req_id in enumerate(inputs.order)}
         self._prompt_logprobs(so, inputs, hidden, output)
         if self.spec is not None:
             emitted = self._verify(so, inputs, hidden, drafts, output) if inputs.sample_rows else {}
@@ -205,6 +210,15 @@ class ModelRunner:
                 if sampled.logprobs[row] is not None:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
         return output
+
+    def _score_accumulator(self, md: AttentionMetadata) -> torch.Tensor | None:
+        """The score drop policy's per-step attention mass, (num_reqs, max_blocks), which every
+        attention layer adds to (kv_compression/score_dropping.py); None without the policy."""
+        if self.config.cache_config.kv_drop_policy is None:
+            return None
+        mass = torch.zeros(md.block_tables.shape, dtype=torch.float32, device=self.device)
+        md.backend_data[MASS_KEY] = mass
+        return mass
 
     @staticmethod
     def _apply_grammar(so: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor,
@@ -239,6 +253,8 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens, uid=next(self._uids))
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
+            for index in cached.dropped_block_indices:
+                state.block_ids[index] = -1
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.token_ids.extend(cached.new_token_ids)
@@ -318,7 +334,7 @@ def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str
         slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
         max_query_len=max(lens), max_seq_len=max(seq_lens), block_size=block_size,
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
-        row_uids=[state.uid for state in states])
+        row_uids=[state.uid for state in states], has_dropped_blocks=bool((block_tables < 0).any()))
     logits_indices = torch.tensor([j for i in sample_rows
                                    for j in range(query_start_loc[i + 1] - 1 - num_drafts[i], query_start_loc[i + 1])],
                                   dtype=torch.int64)

@@ -174,7 +174,8 @@ def _bad_inputs(batch, cache):
     short[md.num_decodes] = 1  # a 7-token row over a context of 1
     return {
         "float64": {**args, "query": q.double(), "out": out.double(), "kv_cache": cache.double()},
-        "mixed dtypes": {**args, "kv_cache": cache.bfloat16()},
+        "float64 cache": {**args, "kv_cache": cache.double()},
+        "out dtype": {**args, "out": out.bfloat16()},
         "int64 tables": {**args, "block_tables": md.block_tables.long()},
         "4-D cache": {**args, "kv_cache": cache[0]},
         "head_dim": {**args, "query": q[..., :16].contiguous(), "out": out[..., :16].contiguous()},

@@ -128,10 +128,41 @@ def test_quantization_flags_reach_engine_args(tmp_path):
     text_file.write_text(TEXT)
     args = _parse(["--model", "demo", "--text", str(text_file), "--quantization", "int4",
                    "--quantization-group-size", "32", "--reference-model", "other"])
-    engine_args, reference, _ = quality.quality_args_from_cli(args)
+    [engine_args], reference, _ = quality.quality_args_from_cli(args)
     assert (engine_args.quantization, engine_args.quantization_group_size) == ("int4", 32)
     assert reference.quantization is None and reference.quantization_group_size is None
     assert reference.dtype == "float32" and reference.model == "other"
+
+
+def test_kv_cache_flags_reach_engine_args(tmp_path):
+    """A comma-separated --kv-cache-dtype is one configuration per dtype, scored against one reference
+    with the full cache and full attention."""
+    text_file = tmp_path / "t.txt"
+    text_file.write_text(TEXT)
+    args = _parse(["--model", "demo", "--text", str(text_file), "--kv-cache-dtype", "fp8,int8, k8v4",
+                   "--kv-window-tokens", "64", "--kv-sink-tokens", "4"])
+    configurations, reference, _ = quality.quality_args_from_cli(args)
+    assert [c.kv_cache_dtype for c in configurations] == ["fp8", "int8", "k8v4"]
+    assert all((c.kv_window_tokens, c.kv_sink_tokens) == (64, 4) for c in configurations)
+    assert (reference.kv_cache_dtype, reference.kv_window_tokens, reference.kv_sink_tokens) == ("auto", None, 0)
+
+
+def test_kv_cache_configurations_scored_against_the_full_cache(llama_dir):
+    """On the tiny Llama: a float32 'cache' equals the reference exactly; each quantized cache costs a
+    little KL, ordered by its precision (int8 < fp8 e4m3 < e5m2), and sink + window attention over
+    a text longer than its window costs more than int8."""
+    base = EngineArgs(model=llama_dir, attention_backend="torch", **SMALL)
+    configs = [base.replace(kv_cache_dtype=d) for d in ("float32", "int8", "fp8", "fp8_e5m2", "k8v4")]
+    configs.append(base.replace(kv_window_tokens=32, kv_sink_tokens=4))
+    reports = quality.evaluate_configurations(configs, TEXT, context_length=256, max_tokens=255)
+    f32, int8, fp8, e5m2, k8v4, streaming = reports
+    assert f32.mean_kl == 0 and f32.perplexity == f32.reference_perplexity
+    assert 0 < int8.mean_kl < fp8.mean_kl < e5m2.mean_kl
+    assert k8v4.mean_kl > int8.mean_kl
+    assert streaming.mean_kl > int8.mean_kl
+    assert [r.configuration for r in reports][1:3] == ["float32, kv=int8", "float32, kv=fp8"]
+    assert streaming.configuration == "float32, sinks=4 window=32"
+    assert all(r.reference == "float32" for r in reports)
 
 
 @pytest.mark.parametrize("case, message", [

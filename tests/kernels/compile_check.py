@@ -24,20 +24,39 @@ SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
-def _attention(dtype: torch.dtype, qpk: int, max_query_len: int, head_dim: int, window: bool):
+def _attention(dtype: torch.dtype, qpk: int, max_query_len: int, head_dim: int, window: bool,
+               kinds: tuple[int, int] = (-1, -1)):
+    """kinds: (K, V) kind ids of formats.KIND_IDS, -1 for a float cache."""
     ptr = POINTER[dtype]
     tiling = attention_kernels.attention_tiling(qpk, max_query_len, head_dim, dtype)
     options = {"num_warps": tiling.pop("num_warps"), "num_stages": tiling.pop("num_stages")}
+    fp8 = kinds[0] in (0, 1)
     signature = {
-        "out_ptr": ptr, "query_ptr": ptr, "cache_ptr": ptr, "block_tables_ptr": "*i32",
+        "out_ptr": ptr, "query_ptr": ptr, "cache_ptr": ptr if kinds[0] < 0 else "*u8",
+        "kv_scale_ptr": "*fp32" if fp8 else "constexpr", "block_tables_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32", "num_reqs": "i32",
-        "head_dim": "i32", "window": "i32", "query_stride_t": "i32", "query_stride_h": "i32",
-        "out_stride_t": "i32", "out_stride_h": "i32", "cache_stride_kv": "i64", "cache_stride_block": "i32",
-        "cache_stride_slot": "i32", "cache_stride_h": "i32", "block_table_stride": "i32"}
-    constexprs = dict(QUERIES_PER_KV=qpk, KV_BLOCK_SIZE=16, USE_WINDOW=window,
-                      DOT_PRECISION="ieee" if dtype == torch.float32 else None, **tiling)
-    label = f"attention {ptr} qpk={qpk} max_query_len={max_query_len} head_dim={head_dim} window={window}"
+        "head_dim": "i32", "window": "i32", "sink_tokens": "i32", "query_stride_t": "i32",
+        "query_stride_h": "i32", "out_stride_t": "i32", "out_stride_h": "i32", "cache_stride_block": "i32",
+        "cache_stride_h": "i32", "k_slot_stride": "i32", "v_offset": "i64", "v_slot_stride": "i32",
+        "k_params_offset": "i32", "v_params_offset": "i32", "block_table_stride": "i32"}
+    block_v = max(16, triton.next_power_of_2(head_dim // 2)) if kinds[1] == 3 else tiling["BLOCK_D"]
+    constexprs = dict(K_KIND=kinds[0], V_KIND=kinds[1], BLOCK_V=block_v, QUERIES_PER_KV=qpk, KV_BLOCK_SIZE=16,
+                      USE_WINDOW=window, DOT_PRECISION="ieee" if dtype == torch.float32 else None, **tiling)
+    if not fp8:
+        constexprs["kv_scale_ptr"] = None
+    label = (f"attention {ptr} kinds={kinds} qpk={qpk} max_query_len={max_query_len} head_dim={head_dim} "
+             f"window={window}")
     return label, attention_kernels._paged_attention_kernel, signature, constexprs, options
+
+
+def _write_kv_quant(kinds: tuple[int, int]):
+    return (f"write_kv_quant kinds={kinds}", attention_kernels._write_kv_quant_kernel,
+            {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "slot_mapping_ptr": "*i64",
+             "kv_scale_ptr": "*fp32", "key_stride_t": "i32", "key_stride_h": "i32", "value_stride_t": "i32",
+             "value_stride_h": "i32", "cache_stride_h": "i64", "cache_stride_block": "i32",
+             "v_codes_offset": "i32", "k_params_offset": "i32", "v_params_offset": "i32", "num_kv_heads": "i32",
+             "head_dim": "i32", "block_size": "i32"},
+            {"K_KIND": kinds[0], "V_KIND": kinds[1], "BLOCK_H": 8, "BLOCK_D": 128}, {})
 
 
 def _elementwise(dtype: torch.dtype):
@@ -69,6 +88,11 @@ def configurations(everything: bool):
         for shape in shapes if everything else shapes[:4]:
             yield _attention(dtype, *shape)
         yield from _elementwise(dtype)
+    # quantized caches (fp8_e4m3, fp8_e5m2, int8, k8v4): a bf16 decode and a float32 prefill each
+    for kinds in ((0, 0), (1, 1), (2, 2), (2, 3)):
+        yield _attention(torch.bfloat16, 4, 1, 128, False, kinds)
+        yield _attention(torch.float32, 8, 64, 128, True, kinds)
+        yield _write_kv_quant(kinds)
     if not everything:  # float32 prefill: the most shared memory
         yield _attention(torch.float32, 8, 64, 128, True)
         yield _attention(torch.float32, 1, 64, 256, False)

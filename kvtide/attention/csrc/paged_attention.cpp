@@ -1,13 +1,21 @@
 // Paged attention on CPU: each query reads its request's K/V in place from the paged cache through
 // the block table (no gather copy), with an online softmax over blocks.
 //
-//   kv_cache: (2, H_kv, num_blocks, block_size, D)      the torch backend's head-major layout
+//   float cache:     kv_cache (2, H_kv, num_blocks, block_size, D)    the torch backend's head-major
+//                    layout, in float32, bfloat16 or float16 whatever the query's dtype
+//   quantized cache: kv_cache (H_kv, num_blocks, block_bytes) uint8   kv_compression/formats.py's
+//                    layout: per KV head and block [K codes | V codes | K params | V params]
 //   query, out: (T, H, D), tokens packed; row r owns tokens [qsl[r], qsl[r+1])
 //
 // One work item is (row, KV head, partition): the H / H_kv query heads of the group and every query
-// token of the row share each K/V block read. A partition is a run of the row's blocks; rows are
-// split into several only when there are too few (row, KV head) items to keep every thread busy,
-// and the partitions are merged by log-sum-exp afterwards.
+// token of the row share each K/V block read. A partition is a run of the blocks the row visits (its
+// sink blocks, then its window's); rows are split into several only when there are too few
+// (row, KV head) items to keep every thread busy, and the partitions are merged by log-sum-exp
+// afterwards. A block that is not float32 is converted (dequantized) into the thread's float
+// workspace when it is read, then attended by the same code that reads float32 blocks in place.
+//
+// write_kv_quant quantizes this step's K/V into the quantized layout, byte for byte as formats.py's
+// reference codec does.
 //
 // The same source is compiled once per ISA (cpu_extension.py): CPU_CAPABILITY selects at::vec's
 // implementation and KVTIDE_OPS_NS names both the C++ namespace and the op library, so builds for
@@ -17,6 +25,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,6 +36,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifndef KVTIDE_OPS_NS
@@ -50,12 +63,83 @@ constexpr int64_t kItemsPerThread = 4;
 // Queries that share one load of a K or V vector.
 constexpr int kTile = 4;
 
+// Code kinds of a quantized cache, numbered as formats.KIND_IDS.
+constexpr int64_t kFp8E4m3 = 0, kFp8E5m2 = 1, kInt8 = 2, kInt4 = 3;
+
+// ---- conversions to float ------------------------------------------------------------------------
+// Written branch-free and without a subnormal float operand, so that the loops over a block vectorize
+// and never take a microcode assist; each is exact.
+
+inline float from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+inline uint32_t to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// float16 bits -> float (the FP16 library's method, which c10 uses without F16C): normals and inf/NaN
+// by rebiasing the exponent, subnormals as a difference of two floats.
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normal = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
+  const float subnormal = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return from_bits(sign | to_bits(two_w < (1u << 27) ? subnormal : normal));
+}
+
+// fp8 e5m2 is the high byte of a float16.
+inline float e5m2_to_float(uint8_t b) { return half_to_float(static_cast<uint16_t>(b << 8)); }
+
+// fp8 e4m3fn: normals by rebiasing the exponent (7 -> 127), subnormals (m * 2^-9) as 2^14 + m * 2^-9
+// less 2^14; 0x7f / 0xff are its only NaNs (it has no infinity).
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t u = b & 0x7fu, sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const float normal = from_bits((u << 20) + (120u << 23));
+  const float subnormal = from_bits(u | (141u << 23)) - 0x1p14f;
+  const uint32_t magnitude = u == 0x7fu ? 0x7fc00000u : to_bits(u < 8 ? subnormal : normal);
+  return from_bits(sign | magnitude);
+}
+
+using IVec = at::vec::Vectorized<int32_t>;
+static_assert(IVec::size() == kV, "int32 and float lanes must pair up");
+
+// kV bytes at p widened into int32 lanes: sign-extended (int8 codes) or zero-extended.
+template <bool kSigned>
+inline IVec widen_bytes(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+#else
+  int32_t lanes[kV];
+  for (int64_t i = 0; i < kV; ++i) lanes[i] = kSigned ? static_cast<int8_t>(p[i]) : p[i];
+  return IVec::loadu(lanes);
+#endif
+}
+
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(bits[i]);
 }
 
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -75,6 +159,8 @@ inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does n
   return s;
 }
 #endif
+
+// ---- attention -----------------------------------------------------------------------------------
 
 // scores[t * ld + j] = q_t . k_j for N queries and keys j in [ja, jb) of a (block_size, D) block.
 template <int N>
@@ -121,9 +207,11 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
 }
 
 // Scores in [ja, jb) -> weights relative to the query's new running max; returns the rescale factor
-// of what it had accumulated. Keys outside [lo, hi) (the query's own range) get weight 0.
-inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t lo, int64_t hi, float& mx, float& sum) {
-  for (int64_t j = ja; j < std::min(lo, jb); ++j) s[j] = kNegInf;
+// of what it had accumulated. The query sees keys [lo, hi) and the sinks [0, sink_hi) below hi;
+// the others get weight 0.
+inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t sink_hi, int64_t lo, int64_t hi, float& mx,
+                          float& sum) {
+  for (int64_t j = std::max(ja, sink_hi); j < std::min(lo, jb); ++j) s[j] = kNegInf;
   for (int64_t j = std::max(hi, ja); j < jb; ++j) s[j] = kNegInf;
   float block_max = kNegInf;
   for (int64_t j = ja; j < jb; ++j) block_max = std::max(block_max, s[j]);
@@ -157,16 +245,20 @@ inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t lo, int64_t 
 struct Problem {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks;
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h, table_stride;
-  int64_t window;  // <= 0: none
+  int64_t window;       // <= 0: none
+  int64_t sink_tokens;  // keys [0, sink_tokens) stay visible past the window; 0 without one
   float scale;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* qsl;
 };
 
-// A row's key range and the blocks it covers.
+// A row's key range and the blocks it visits: its first sink_blocks blocks (the sinks' blocks that
+// precede the window's), then [first_block, end_block).
 struct RowSpan {
-  int64_t q_start, q_len, seq_len, key_lo, first_block, end_block;
+  int64_t q_start, q_len, seq_len, key_lo, sink_blocks, first_block, end_block;
+  int64_t visits() const { return sink_blocks + end_block - first_block; }
+  int64_t block(int64_t i) const { return i < sink_blocks ? i : first_block + i - sink_blocks; }
 };
 
 inline RowSpan row_span(const Problem& p, int64_t r) {
@@ -178,6 +270,8 @@ inline RowSpan row_span(const Problem& p, int64_t r) {
   s.key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   s.first_block = s.key_lo / p.block_size;
   s.end_block = (s.seq_len + p.block_size - 1) / p.block_size;
+  const int64_t sinks = std::min(p.sink_tokens, s.seq_len);
+  s.sink_blocks = std::min((sinks + p.block_size - 1) / p.block_size, s.first_block);
   return s;
 }
 
@@ -202,8 +296,136 @@ struct Workspace {
   }
 };
 
+// ---- where a block's K and V come from -----------------------------------------------------------
+// A source's load(h, block, ja, jb, w) gives KV head h's K and V of cache block `block` as float
+// (block_size, D) arrays whose rows [ja, jb) hold the keys attended.
+
+struct KVRows {
+  const float* k;
+  const float* v;
+};
+
+// Asks for n bytes at p to be brought into cache: a row's blocks lie anywhere in the pool, where the
+// hardware prefetchers cannot follow, so each block is requested while the one before is attended.
+inline void prefetch(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i);
+}
+
+// A float cache: float32 blocks are read in place, bfloat16 and float16 ones converted.
+template <typename cache_t>
+struct FloatBlocks {
+  static constexpr bool kConverts = !std::is_same_v<cache_t, float>;
+  const cache_t* kv;
+  int64_t num_kv_heads, head_elems, block_elems, D;  // one head's cache, one block, one token
+
+  KVRows load(int64_t h, int64_t block, int64_t ja, int64_t jb, Workspace& w) const {
+    const cache_t* k = kv + h * head_elems + block * block_elems;
+    const cache_t* v = kv + (num_kv_heads + h) * head_elems + block * block_elems;
+    if constexpr (kConverts) {
+      to_float(k + ja * D, w.k.data() + ja * D, (jb - ja) * D);
+      to_float(v + ja * D, w.v.data() + ja * D, (jb - ja) * D);
+      return {w.k.data(), w.v.data()};
+    } else {
+      return {k, v};
+    }
+  }
+
+  void prefetch_block(int64_t h, int64_t block) const {
+    prefetch(kv + h * head_elems + block * block_elems, block_elems * sizeof(cache_t));
+    prefetch(kv + (num_kv_heads + h) * head_elems + block * block_elems, block_elems * sizeof(cache_t));
+  }
+};
+
+// K or V inside a quantized block: its kind, the byte offsets of its codes and per-token params,
+// their widths per token, and fp8's per-tensor scale.
+struct Section {
+  int64_t kind, codes, params, code_bytes, param_bytes;
+  float scale;
+};
+
+inline int64_t code_bytes(int64_t kind, int64_t D) { return kind == kInt4 ? D / 2 : D; }
+inline int64_t param_bytes(int64_t kind) { return kind == kInt8 ? 2 : kind == kInt4 ? 4 : 0; }
+
+// formats.KVQuantFormat.layout: [K codes | V codes | K params | V params] in each head's block.
+struct QuantLayout {
+  Section k, v;
+  int64_t block_bytes;
+  QuantLayout(int64_t k_kind, int64_t v_kind, int64_t B, int64_t D, float k_scale, float v_scale) {
+    k = {k_kind, 0, 0, code_bytes(k_kind, D), param_bytes(k_kind), k_scale};
+    v = {v_kind, B * k.code_bytes, 0, code_bytes(v_kind, D), param_bytes(v_kind), v_scale};
+    k.params = v.codes + B * v.code_bytes;
+    v.params = k.params + B * k.param_bytes;
+    block_bytes = v.params + B * v.param_bytes;
+  }
+};
+
+// Tokens [ja, jb) of a section of `block` -> dst (block_size, D), as formats.dequantize computes them:
+// each value is a product rounded once (int8's and int4's products are exact), int4's plus its min.
+inline void dequantize(const Section& s, const uint8_t* block, int64_t ja, int64_t jb, int64_t D, float* dst) {
+  const uint8_t* codes = block + s.codes;
+  const uint8_t* params = block + s.params;
+  switch (s.kind) {
+    case kFp8E4m3:
+      for (int64_t i = ja * D; i < jb * D; ++i) dst[i] = e4m3_to_float(codes[i]) * s.scale;
+      break;
+    case kFp8E5m2:
+      for (int64_t i = ja * D; i < jb * D; ++i) dst[i] = e5m2_to_float(codes[i]) * s.scale;
+      break;
+    case kInt8:
+      for (int64_t j = ja; j < jb; ++j) {
+        const float scale = load_half(params + 2 * j);
+        const uint8_t* c = codes + j * D;
+        float* row = dst + j * D;
+        int64_t d = 0;
+        for (; d + kV <= D; d += kV)
+          (at::vec::convert_to_fp_of_same_size<float>(widen_bytes<true>(c + d)) * Vec(scale)).store(row + d);
+        for (; d < D; ++d) row[d] = static_cast<float>(static_cast<int8_t>(c[d])) * scale;
+      }
+      break;
+    default: {  // int4: byte i holds dims i (low nibble) and i + D/2
+      const int64_t half = D / 2;
+      for (int64_t j = ja; j < jb; ++j) {
+        const float step = load_half(params + 4 * j), lo = load_half(params + 4 * j + 2);
+        const uint8_t* c = codes + j * half;
+        float* row = dst + j * D;
+        int64_t i = 0;
+        const Vec vlo(lo), vstep(step);
+        for (; i + kV <= half; i += kV) {
+          const IVec w = widen_bytes<false>(c + i);
+          (vlo + at::vec::convert_to_fp_of_same_size<float>(w & IVec(15)) * vstep).store(row + i);
+          (vlo + at::vec::convert_to_fp_of_same_size<float>(w >> IVec(4)) * vstep).store(row + i + half);
+        }
+        for (; i < half; ++i) {
+          row[i] = lo + static_cast<float>(c[i] & 15) * step;
+          row[i + half] = lo + static_cast<float>(c[i] >> 4) * step;
+        }
+      }
+    }
+  }
+}
+
+// A quantized cache, dequantized block by block.
+struct QuantBlocks {
+  static constexpr bool kConverts = true;
+  const uint8_t* cache;
+  int64_t head_bytes, D;  // one head's cache
+  QuantLayout layout;
+
+  KVRows load(int64_t h, int64_t block, int64_t ja, int64_t jb, Workspace& w) const {
+    const uint8_t* b = cache + h * head_bytes + block * layout.block_bytes;
+    dequantize(layout.k, b, ja, jb, D, w.k.data());
+    dequantize(layout.v, b, ja, jb, D, w.v.data());
+    return {w.k.data(), w.v.data()};
+  }
+
+  void prefetch_block(int64_t h, int64_t block) const {
+    prefetch(cache + h * head_bytes + block * layout.block_bytes, layout.block_bytes);
+  }
+};
+
 template <int N>
-inline void tile_step(Workspace& w, int64_t m0, const float* k, const float* v, int64_t ja, int64_t jb,
+inline void tile_step(Workspace& w, int64_t m0, const KVRows& kv, int64_t ja, int64_t jb, int64_t sink_hi,
                       const Problem& p, const int64_t* lo, const int64_t* hi) {
   const int64_t D = p.head_dim, B = p.block_size;
   const float* q[N];
@@ -216,17 +438,17 @@ inline void tile_step(Workspace& w, int64_t m0, const float* k, const float* v, 
     acc[t] = w.acc.data() + (m0 + t) * D;
     probs[t] = s[t];
   }
-  dots<N>(q, k, ja, jb, D, s);
+  dots<N>(q, kv.k, ja, jb, D, s);
   float alpha[N];
   for (int t = 0; t < N; ++t)
-    alpha[t] = softmax_step(s[t], ja, jb, lo[t], hi[t], w.mx[m0 + t], w.sum[m0 + t]);
-  weighted_sum<N>(acc, alpha, probs, v, ja, jb, D);
+    alpha[t] = softmax_step(s[t], ja, jb, sink_hi, lo[t], hi[t], w.mx[m0 + t], w.sum[m0 + t]);
+  weighted_sum<N>(acc, alpha, probs, kv.v, ja, jb, D);
 }
 
-// Attends row r, KV head h over blocks [b0, b1) into the workspace's (acc, mx, sum).
-template <typename scalar_t>
-void attend_partition(const Problem& p, const scalar_t* query, const scalar_t* kv, const RowSpan& row,
-                      int64_t h, int64_t b0, int64_t b1, Workspace& w) {
+// Attends row r, KV head h over the row's visited blocks [v0, v1) into the workspace's (acc, mx, sum).
+template <typename scalar_t, typename Source>
+void attend_partition(const Problem& p, const scalar_t* query, const Source& src, const RowSpan& row,
+                      int64_t h, int64_t v0, int64_t v1, Workspace& w) {
   const int64_t D = p.head_dim, B = p.block_size, G = p.group;
   const int64_t M = row.q_len * G;
   // Query m = t * G + g is token t, head h * G + g; scaled once here.
@@ -241,33 +463,22 @@ void attend_partition(const Problem& p, const scalar_t* query, const scalar_t* k
   std::fill(w.mx.begin(), w.mx.begin() + M, kNegInf);
   std::fill(w.sum.begin(), w.sum.begin() + M, 0.f);
   const int64_t first_pos = row.seq_len - row.q_len;
-  const int64_t head_blocks = p.num_blocks * B * D;
-  const scalar_t* k_head = kv + h * head_blocks;
-  const scalar_t* v_head = kv + (p.num_kv_heads + h) * head_blocks;
-  const int32_t* table = p.block_tables;
   int64_t lo[kTile], hi[kTile];
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t j0 = b * B;
-    // Keys of this block inside the row's range, and the tokens that see any of them: token t sees
-    // [pos - window + 1, pos] with pos = first_pos + t.
-    const int64_t ja = std::max<int64_t>(row.key_lo - j0, 0);
-    const int64_t jb = std::min<int64_t>(row.seq_len - j0, B);
+  for (int64_t i = v0; i < v1; ++i) {
+    if (i + 1 < v1) src.prefetch_block(h, p.block_tables[row.block(i + 1)]);
+    const int64_t b = row.block(i), j0 = b * B;
+    // Keys [0, sink_hi) of this block are sinks. The keys some query of the row sees are [ja, jb),
+    // and tokens [t_first, t_last] see any: token t sees [pos - window + 1, pos] and the sinks up to
+    // pos, with pos = first_pos + t. A block before the window holds only sinks worth reading.
+    const int64_t sink_hi = std::clamp<int64_t>(p.sink_tokens - j0, 0, B);
+    const int64_t ja = sink_hi > 0 ? 0 : std::max<int64_t>(row.key_lo - j0, 0);
+    int64_t jb = std::min<int64_t>(row.seq_len - j0, B);
+    if (b < row.first_block) jb = std::min(jb, sink_hi);
     const int64_t t_first = std::max<int64_t>(0, j0 + ja - first_pos);
     int64_t t_last = row.q_len - 1;
-    if (p.window > 0) t_last = std::min<int64_t>(t_last, j0 + jb - 1 + p.window - 1 - first_pos);
+    if (p.window > 0 && sink_hi == 0) t_last = std::min<int64_t>(t_last, j0 + jb - 1 + p.window - 1 - first_pos);
     if (ja >= jb || t_first > t_last) continue;
-    const int64_t offset = static_cast<int64_t>(table[b]) * B * D;
-    const float* k;
-    const float* v;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      k = k_head + offset;
-      v = v_head + offset;
-    } else {
-      to_float(k_head + offset + ja * D, w.k.data() + ja * D, (jb - ja) * D);
-      to_float(v_head + offset + ja * D, w.v.data() + ja * D, (jb - ja) * D);
-      k = w.k.data();
-      v = w.v.data();
-    }
+    const KVRows kv = src.load(h, p.block_tables[b], ja, jb, w);
     const int64_t m_end = (t_last + 1) * G;
     for (int64_t m0 = t_first * G; m0 < m_end; m0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, m_end - m0));
@@ -277,10 +488,10 @@ void attend_partition(const Problem& p, const scalar_t* query, const scalar_t* k
         hi[t] = pos + 1 - j0;
       }
       switch (n) {
-        case 4: tile_step<4>(w, m0, k, v, ja, jb, p, lo, hi); break;
-        case 3: tile_step<3>(w, m0, k, v, ja, jb, p, lo, hi); break;
-        case 2: tile_step<2>(w, m0, k, v, ja, jb, p, lo, hi); break;
-        default: tile_step<1>(w, m0, k, v, ja, jb, p, lo, hi); break;
+        case 4: tile_step<4>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
+        case 3: tile_step<3>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
+        case 2: tile_step<2>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
+        default: tile_step<1>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
       }
     }
   }
@@ -308,15 +519,15 @@ void parallel_items(int64_t n, const F& fn) {
   });
 }
 
-template <typename scalar_t>
-void run(const Problem& p, const scalar_t* query, const scalar_t* kv, scalar_t* out, int64_t num_rows,
+template <typename scalar_t, typename Source>
+void run(const Problem& p, const scalar_t* query, const Source& src, scalar_t* out, int64_t num_rows,
          int64_t partition_tokens) {
   std::vector<RowSpan> rows(num_rows);
   int64_t max_q_len = 1, max_blocks = 1;
   for (int64_t r = 0; r < num_rows; ++r) {
     rows[r] = row_span(p, r);
     max_q_len = std::max(max_q_len, rows[r].q_len);
-    max_blocks = std::max(max_blocks, rows[r].end_block - rows[r].first_block);
+    max_blocks = std::max(max_blocks, rows[r].visits());
   }
   int64_t part_blocks = max_blocks;
   if (partition_tokens > 0) {
@@ -329,12 +540,12 @@ void run(const Problem& p, const scalar_t* query, const scalar_t* kv, scalar_t* 
       part_blocks = std::max(min_blocks, (max_blocks + parts - 1) / parts);
     }
   }
-  // (row, first block) of every partition; rows with several keep their partial results.
+  // (row, first visit) of every partition; rows with several keep their partial results.
   std::vector<int64_t> part_row, part_first, first_part(num_rows + 1, 0);
   for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t b = rows[r].first_block; b < rows[r].end_block; b += part_blocks) {
+    for (int64_t v = 0; v < rows[r].visits(); v += part_blocks) {
       part_row.push_back(r);
-      part_first.push_back(b);
+      part_first.push_back(v);
     }
     first_part[r + 1] = static_cast<int64_t>(part_row.size());
   }
@@ -344,17 +555,16 @@ void run(const Problem& p, const scalar_t* query, const scalar_t* kv, scalar_t* 
   // Per (partition, KV head): acc (max_m, D), then mx (max_m), then sum (max_m).
   const int64_t part_floats = max_m * (D + 2);
   std::vector<float> partial(split ? num_parts * H_kv * part_floats : 0);
-  const bool convert_kv = !std::is_same_v<scalar_t, float>;
 
   parallel_items(num_parts * H_kv, [&](int64_t item) {
     thread_local Workspace w;
     const int64_t part = item / H_kv, h = item % H_kv, r = part_row[part];
     const RowSpan& row = rows[r];
-    w.reserve(row.q_len * p.group, p, convert_kv);
+    w.reserve(row.q_len * p.group, p, Source::kConverts);
     Problem rp = p;
     rp.block_tables = p.block_tables + r * p.table_stride;
-    const int64_t b0 = part_first[part], b1 = std::min(b0 + part_blocks, row.end_block);
-    attend_partition(rp, query, kv, row, h, b0, b1, w);
+    const int64_t v0 = part_first[part], v1 = std::min(v0 + part_blocks, row.visits());
+    attend_partition(rp, query, src, row, h, v0, v1, w);
     const int64_t M = row.q_len * p.group;
     if (first_part[r + 1] - first_part[r] == 1) {
       write_out(p, out, row, h, w.acc.data(), w.sum.data(), w.out.data());
@@ -391,81 +601,270 @@ void run(const Problem& p, const scalar_t* query, const scalar_t* kv, scalar_t* 
   });
 }
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
-                     int64_t partition_tokens) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
-              "paged_attention: tensors must be on the CPU");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_attention: query must be (T, H, D) with unit "
-              "stride in D, got ", query.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1,
-              "paged_attention: out must have query's shape with unit stride in D");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_attention: kv_cache must be contiguous (2, H_kv, num_blocks, block_size, D), got ",
-              kv_cache.sizes());
+// The checks both attention ops share, and their Problem. Every index the kernel will follow is
+// checked here rather than trusted.
+Problem make_problem(const char* op, const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t num_rows, double scale, int64_t window, int64_t sink_tokens, int64_t num_kv_heads,
+                     int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), op,
+              ": tensors must be on the CPU");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, op, ": query must be (T, H, D) with unit stride in D, got ",
+              query.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, op,
+              ": out must have query's shape with unit stride in D");
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: float32 or bfloat16 only, got ",
-              dtype);
-  TORCH_CHECK(kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "paged_attention: query, kv_cache and out must share a dtype");
-  const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(1), head_dim = query.size(2);
-  TORCH_CHECK(kv_cache.size(4) == head_dim, "paged_attention: head_dim differs between query and kv_cache");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "paged_attention: num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": query must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(out.scalar_type() == dtype, op, ": out must have query's dtype");
+  const int64_t num_heads = query.size(1);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
+              ": num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_size > 0, op, ": block_size must be positive");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(),
-                "paged_attention: block_tables, seq_lens and query_start_loc must be int32 CPU tensors");
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), op,
+                ": block_tables, seq_lens and query_start_loc must be int32 CPU tensors");
   }
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) >= num_rows,
-              "paged_attention: block_tables must be (>= num_rows, max_blocks) with unit stride in dim 1");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) >= num_rows,
-              "paged_attention: seq_lens must be contiguous (>= num_rows,)");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) >= num_rows, op,
+              ": block_tables must be (>= num_rows, max_blocks) with unit stride in dim 1");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) >= num_rows, op,
+              ": seq_lens must be contiguous (>= num_rows,)");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous() &&
-              query_start_loc.size(0) >= num_rows + 1,
-              "paged_attention: query_start_loc must be contiguous (>= num_rows + 1,)");
-  TORCH_CHECK(num_rows >= 0, "paged_attention: num_rows must be >= 0");
-  if (num_rows == 0) return;
+                  query_start_loc.size(0) >= num_rows + 1,
+              op, ": query_start_loc must be contiguous (>= num_rows + 1,)");
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0");
+  TORCH_CHECK(sink_tokens >= 0, op, ": sink_tokens must be >= 0");
 
   Problem p;
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.group = num_heads / num_kv_heads;
-  p.head_dim = head_dim;
-  p.num_blocks = kv_cache.size(2);
-  p.block_size = kv_cache.size(3);
+  p.head_dim = query.size(2);
+  p.num_blocks = num_blocks;
+  p.block_size = block_size;
   p.q_stride_t = query.stride(0);
   p.q_stride_h = query.stride(1);
   p.o_stride_t = out.stride(0);
   p.o_stride_h = out.stride(1);
   p.table_stride = block_tables.stride(0);
   p.window = window;
+  p.sink_tokens = window > 0 ? sink_tokens : 0;
   p.scale = static_cast<float>(scale);
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.qsl = query_start_loc.data_ptr<int32_t>();
-  // Every index the kernel will follow, checked here rather than trusted.
   const int64_t max_table = block_tables.size(1);
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t q_start = p.qsl[r], q_len = p.qsl[r + 1] - p.qsl[r], seq_len = p.seq_lens[r];
-    TORCH_CHECK(q_start >= 0 && q_len >= 1 && q_start + q_len <= query.size(0),
-                "paged_attention: row ", r, " has query tokens [", q_start, ", ", q_start + q_len,
-                ") outside the ", query.size(0), " given");
-    TORCH_CHECK(seq_len >= q_len && seq_len <= max_table * p.block_size, "paged_attention: row ", r,
-                " has seq_len ", seq_len, " for ", q_len, " queries and ", max_table, " table entries");
+    TORCH_CHECK(q_start >= 0 && q_len >= 1 && q_start + q_len <= query.size(0), op, ": row ", r,
+                " has query tokens [", q_start, ", ", q_start + q_len, ") outside the ", query.size(0), " given");
+    TORCH_CHECK(seq_len >= q_len && seq_len <= max_table * block_size, op, ": row ", r, " has seq_len ", seq_len,
+                " for ", q_len, " queries and ", max_table, " table entries");
     const RowSpan row = row_span(p, r);
     const int32_t* table = p.block_tables + r * p.table_stride;
-    for (int64_t b = row.first_block; b < row.end_block; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "paged_attention: row ", r, " block ", b,
-                  " is ", table[b], ", outside the cache's ", p.num_blocks, " blocks");
+    for (int64_t i = 0; i < row.visits(); ++i) {
+      const int64_t b = row.block(i);
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, op, ": row ", r, " block ", b, " is ", table[b],
+                  ", outside the cache's ", num_blocks, " blocks");
     }
   }
-  if (dtype == at::kFloat) {
-    run<float>(p, query.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), num_rows,
-               partition_tokens);
+  return p;
+}
+
+template <typename Source>
+void run_any_query(const Problem& p, const at::Tensor& query, at::Tensor& out, const Source& src, int64_t num_rows,
+                   int64_t partition_tokens) {
+  if (query.scalar_type() == at::kFloat) {
+    run<float>(p, query.data_ptr<float>(), src, out.data_ptr<float>(), num_rows, partition_tokens);
   } else {
-    run<c10::BFloat16>(p, query.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(),
-                       out.data_ptr<c10::BFloat16>(), num_rows, partition_tokens);
+    run<c10::BFloat16>(p, query.data_ptr<c10::BFloat16>(), src, out.data_ptr<c10::BFloat16>(), num_rows,
+                       partition_tokens);
+  }
+}
+
+template <typename cache_t>
+void run_float_cache(const Problem& p, const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
+                     int64_t num_rows, int64_t partition_tokens) {
+  const int64_t block_elems = p.block_size * p.head_dim;
+  const FloatBlocks<cache_t> src{kv_cache.data_ptr<cache_t>(), p.num_kv_heads, p.num_blocks * block_elems,
+                                 block_elems, p.head_dim};
+  run_any_query(p, query, out, src, num_rows, partition_tokens);
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
+                     int64_t partition_tokens, int64_t sink_tokens) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_attention: kv_cache must be contiguous (2, H_kv, num_blocks, block_size, D), got ",
+              kv_cache.sizes());
+  const auto cache_dtype = kv_cache.scalar_type();
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16 || cache_dtype == at::kHalf,
+              "paged_attention: kv_cache must be float32, bfloat16 or float16, got ", cache_dtype);
+  TORCH_CHECK(query.dim() == 3 && kv_cache.size(4) == query.size(2),
+              "paged_attention: head_dim differs between query and kv_cache");
+  const Problem p = make_problem("paged_attention", out, query, kv_cache, block_tables, seq_lens, query_start_loc,
+                                 num_rows, scale, window, sink_tokens, kv_cache.size(1), kv_cache.size(2),
+                                 kv_cache.size(3));
+  if (num_rows == 0) return;
+  if (cache_dtype == at::kFloat) {
+    run_float_cache<float>(p, query, kv_cache, out, num_rows, partition_tokens);
+  } else if (cache_dtype == at::kBFloat16) {
+    run_float_cache<c10::BFloat16>(p, query, kv_cache, out, num_rows, partition_tokens);
+  } else {
+    run_float_cache<c10::Half>(p, query, kv_cache, out, num_rows, partition_tokens);
+  }
+}
+
+// The layer's fp8 scales (kv_scale[0] for K, [1] for V); 1.0 without a tensor.
+std::pair<float, float> tensor_scales(const char* op, const std::optional<at::Tensor>& kv_scale) {
+  if (!kv_scale.has_value() || !kv_scale->defined()) return {1.f, 1.f};
+  TORCH_CHECK(kv_scale->device().is_cpu() && kv_scale->scalar_type() == at::kFloat && kv_scale->numel() == 2, op,
+              ": kv_scale must be a (2,) float32 CPU tensor");
+  const at::Tensor s = kv_scale->contiguous();
+  return {s.data_ptr<float>()[0], s.data_ptr<float>()[1]};
+}
+
+QuantLayout checked_layout(const char* op, const at::Tensor& kv_cache, int64_t k_kind, int64_t v_kind,
+                           int64_t head_dim, int64_t block_size, const std::optional<at::Tensor>& kv_scale) {
+  TORCH_CHECK(k_kind >= kFp8E4m3 && k_kind <= kInt4 && v_kind >= kFp8E4m3 && v_kind <= kInt4, op,
+              ": k_kind and v_kind must be code kinds 0-3, got ", k_kind, " and ", v_kind);
+  TORCH_CHECK(head_dim > 0 && block_size > 0, op, ": head_dim and block_size must be positive");
+  TORCH_CHECK(head_dim % 2 == 0 || (k_kind != kInt4 && v_kind != kInt4), op, ": int4 codes need an even head_dim");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.scalar_type() == at::kByte && kv_cache.dim() == 3 &&
+                  kv_cache.is_contiguous(),
+              op, ": kv_cache must be a contiguous (H_kv, num_blocks, block_bytes) uint8 CPU tensor, got ",
+              kv_cache.scalar_type(), " ", kv_cache.sizes());
+  const auto [k_scale, v_scale] = tensor_scales(op, kv_scale);
+  const QuantLayout layout(k_kind, v_kind, block_size, head_dim, k_scale, v_scale);
+  TORCH_CHECK(kv_cache.size(2) == layout.block_bytes, op, ": kv_cache blocks have ", kv_cache.size(2),
+              " bytes; these kinds take ", layout.block_bytes, " for ", block_size, " tokens of head_dim ", head_dim);
+  return layout;
+}
+
+void paged_attention_quant(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
+                           int64_t sink_tokens, int64_t k_kind, int64_t v_kind,
+                           const std::optional<at::Tensor>& kv_scale, int64_t head_dim, int64_t block_size,
+                           int64_t partition_tokens) {
+  const char* op = "paged_attention_quant";
+  const QuantLayout layout = checked_layout(op, kv_cache, k_kind, v_kind, head_dim, block_size, kv_scale);
+  TORCH_CHECK(query.dim() == 3 && query.size(2) == head_dim, op, ": query's head_dim is not ", head_dim);
+  const Problem p = make_problem(op, out, query, kv_cache, block_tables, seq_lens, query_start_loc, num_rows, scale,
+                                 window, sink_tokens, kv_cache.size(0), kv_cache.size(1), block_size);
+  if (num_rows == 0) return;
+  const QuantBlocks src{kv_cache.data_ptr<uint8_t>(), kv_cache.size(1) * layout.block_bytes, head_dim, layout};
+  run_any_query(p, query, out, src, num_rows, partition_tokens);
+}
+
+// ---- quantized K/V write -------------------------------------------------------------------------
+
+// One token's row x (D floats) -> its codes and params, as formats.quantize computes them: the same
+// float32 operations in the same order, float16 params rounded to nearest even (c10::Half) before
+// the codes use them, codes rounded half to even (nearbyint, as torch.round), fp8 by c10's RNE.
+void quantize_row(const float* x, int64_t D, const Section& s, uint8_t* codes, uint8_t* params) {
+  switch (s.kind) {
+    case kFp8E4m3:
+    case kFp8E5m2: {
+      const float limit = s.kind == kFp8E4m3 ? 448.f : 57344.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = std::min(std::max(x[d] / s.scale, -limit), limit);
+        codes[d] = s.kind == kFp8E4m3 ? c10::Float8_e4m3fn(y).x : c10::Float8_e5m2(y).x;
+      }
+      break;
+    }
+    case kInt8: {
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(x[d]));
+      c10::Half scale(amax / 127.f);
+      if (!(static_cast<float>(scale) > 0.f)) scale = c10::Half(1.f);
+      const float sf = scale;
+      for (int64_t d = 0; d < D; ++d) {
+        const float q = std::min(std::max(std::nearbyint(x[d] / sf), -127.f), 127.f);
+        codes[d] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
+      std::memcpy(params, &scale.x, 2);
+      break;
+    }
+    default: {  // int4: (scale, min) per token; byte i holds dims i (low nibble) and i + D/2
+      float mn = x[0], mx = x[0];
+      for (int64_t d = 1; d < D; ++d) {
+        mn = std::min(mn, x[d]);
+        mx = std::max(mx, x[d]);
+      }
+      const c10::Half lo(mn);
+      const float lof = lo;
+      c10::Half step((mx - lof) / 15.f);
+      if (!(static_cast<float>(step) > 0.f)) step = c10::Half(1.f);
+      const float stepf = step;
+      auto code = [&](float v) {
+        return static_cast<uint8_t>(std::min(std::max(std::nearbyint((v - lof) / stepf), 0.f), 15.f));
+      };
+      const int64_t half = D / 2;
+      for (int64_t i = 0; i < half; ++i) codes[i] = code(x[i]) | static_cast<uint8_t>(code(x[i + half]) << 4);
+      std::memcpy(params, &step.x, 2);
+      std::memcpy(params + 2, &lo.x, 2);
+    }
+  }
+}
+
+template <typename in_t>
+void write_rows(const at::Tensor& key, const at::Tensor& value, uint8_t* cache, const int64_t* slots,
+                int64_t num_blocks, int64_t block_size, const QuantLayout& layout) {
+  const int64_t T = key.size(0), H_kv = key.size(1), D = key.size(2);
+  const int64_t head_bytes = num_blocks * layout.block_bytes;
+  const in_t* k = key.data_ptr<in_t>();
+  const in_t* v = value.data_ptr<in_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;  // padding
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (int64_t h = 0; h < H_kv; ++h) {
+        uint8_t* b = cache + h * head_bytes + block * layout.block_bytes;
+        auto put = [&](const in_t* x, const at::Tensor& src, const Section& s) {
+          to_float(x + t * src.stride(0) + h * src.stride(1), row.data(), D);
+          quantize_row(row.data(), D, s, b + s.codes + offset * s.code_bytes, b + s.params + offset * s.param_bytes);
+        };
+        put(k, key, layout.k);
+        put(v, value, layout.v);
+      }
+    }
+  });
+}
+
+void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping, int64_t k_kind, int64_t v_kind,
+                    const std::optional<at::Tensor>& kv_scale, int64_t block_size) {
+  const char* op = "write_kv_quant";
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && slot_mapping.device().is_cpu(), op,
+              ": tensors must be on the CPU");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1, op,
+              ": key and value must be (T, H_kv, D) with unit stride in D, got ", key.sizes(), " and ",
+              value.sizes());
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK(value.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              op, ": key and value must share a dtype: float32, bfloat16 or float16");
+  const QuantLayout layout = checked_layout(op, kv_cache, k_kind, v_kind, key.size(2), block_size, kv_scale);
+  TORCH_CHECK(kv_cache.size(0) == key.size(1), op, ": kv_cache has ", kv_cache.size(0), " KV heads, key ",
+              key.size(1));
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              op, ": slot_mapping must be a contiguous (T,) int64 tensor");
+  const int64_t num_blocks = kv_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t) {
+    TORCH_CHECK(slots[t] < num_blocks * block_size, op, ": slot ", slots[t], " of token ", t,
+                " is outside the cache's ", num_blocks * block_size, " slots");
+  }
+  uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  if (dtype == at::kFloat) {
+    write_rows<float>(key, value, cache, slots, num_blocks, block_size, layout);
+  } else if (dtype == at::kBFloat16) {
+    write_rows<c10::BFloat16>(key, value, cache, slots, num_blocks, block_size, layout);
+  } else {
+    write_rows<c10::Half>(key, value, cache, slots, num_blocks, block_size, layout);
   }
 }
 
@@ -475,6 +874,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale, int window, "
-        "int partition_tokens=0) -> ()",
+        "int partition_tokens=0, int sink_tokens=0) -> ()",
         &KVTIDE_OPS_NS::paged_attention);
+  m.def("paged_attention_quant(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale, int window, int sink_tokens, "
+        "int k_kind, int v_kind, Tensor? kv_scale, int head_dim, int block_size, int partition_tokens=0) -> ()",
+        &KVTIDE_OPS_NS::paged_attention_quant);
+  m.def("write_kv_quant(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, int k_kind, "
+        "int v_kind, Tensor? kv_scale, int block_size) -> ()",
+        &KVTIDE_OPS_NS::write_kv_quant);
 }
