@@ -9,11 +9,11 @@ backend's chunked gather and, when git has it, the decode mirror this kernel rep
 cache whatever their dtype, as a real model's do, or a 4x smaller quantized cache gets the edge of
 staying cached. `--smollm2` adds 16 rows x ctx 1024 at SmolLM2's heads.
 
-Each figure is the median over --reps interleaved repetitions (the alternatives take turns, so a
-noisy neighbour slows all of them alike) of one decode step over LAYERS caches, divided by LAYERS,
-with seq_lens one longer every step as in real decoding (the mirror's steady state: one append per
-step). `--prefill` also times short query rows over a cached context (kernel against gather + SDPA),
-which is how cpu_backend.KERNEL_MAX_QUERY_LEN was chosen.
+Each figure is the median (and the min) over --reps interleaved repetitions (the alternatives take
+turns, so a noisy neighbour slows all of them alike) of one decode step over LAYERS caches, divided
+by LAYERS, with seq_lens one longer every step as in real decoding (the mirror's steady state: one
+append per step). `--prefill` also times short query rows over a cached context (kernel against
+gather + SDPA), which is how cpu_backend.KERNEL_MAX_QUERY_LEN was chosen.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def bench_decode(name: str, contexts: list[int], heads: int, kv_heads: int, head
     for rep in range(1, reps + 1):
         for label, (backend, caches) in instances.items():  # every backend at the same context lengths
             times[label].append(run(backend, caches, rep * STEPS))
-    figures = ", ".join(f"{label} {statistics.median(t) * 1e6:7.0f} us" for label, t in times.items())
+    figures = ", ".join(f"{label} {statistics.median(t) * 1e6:7.0f} us (min {min(t) * 1e6:.0f})"
+                        for label, t in times.items())
     print(f"{name:<44} [{cpu_model_name()}, kernel ISA {isa}, {torch.get_num_threads()} threads] {figures}",
           flush=True)
 

@@ -64,7 +64,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         quantized = self.kv_quant is not None
         op = self._quant_op if quantized else self._op
         if (op is None or query.dtype not in KERNEL_DTYPES or query.device.type != "cpu"
-                or not (quantized or kv_cache.dtype in KERNEL_CACHE_DTYPES)):
+                or not (quantized or kv_cache.dtype in KERNEL_CACHE_DTYPES) or metadata.has_dropped_blocks):
+            # dropped (-1) blocks: the torch paths mask them; the kernel takes only live ids
             return super().forward(query, kv_cache, metadata, scale, sliding_window, key, value,
                                    sink_tokens=sink_tokens, kv_scale=kv_scale)
         output = torch.empty_like(query)

@@ -84,8 +84,11 @@ class KVQuantFormat:
     # ---- the reference codec -----------------------------------------------------------------
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
               kv_scale: torch.Tensor) -> None:
-        """key, value (T, H_kv, D) quantized into the slots `slot_mapping` of kv_cache."""
+        """key, value (T, H_kv, D) quantized into the slots `slot_mapping` of kv_cache; a negative
+        slot is padding (CUDA-graph batches) and writes nothing."""
         num_kv_heads, num_blocks, _ = kv_cache.shape
+        written = slot_mapping >= 0
+        key, value, slot_mapping = key[written], value[written], slot_mapping[written]
         head_dim = key.shape[-1]
         block_size = self._block_size(kv_cache, head_dim)
         lay = self.layout(block_size, head_dim)

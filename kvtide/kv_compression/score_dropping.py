@@ -14,23 +14,16 @@ to the pool and masked exactly: no later query attends its keys, while its posit
 (rotary embeddings and the causal order are those of the full sequence). Dropping whole blocks is
 what frees memory in a paged cache; single tokens would leave every block partly in use.
 
-The mass is computed by `accumulate_attention_mass` in plain torch beside the backend's attention
-(the compiled kernels do not export their weights): the policy costs one more attention pass per
-layer, and runs on the torch paths.
+The choice is pure Python (the KV cache manager makes it); the mass is measured by the attention
+layers (attention_mass.py).
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from kvtide.attention.backend import AttentionMetadata, prefill_mask, request_blocks
-
 MIN_KEPT_BLOCKS = 2
 """The sink block and the block being written."""
-MASS_KEY = "kv_block_mass"
-"""AttentionMetadata.backend_data key of the step's (num_reqs, max_blocks) float32 mass accumulator."""
 
 
 def blocks_to_drop(mass: list[float], live: list[bool], num_computed: int, block_size: int,
@@ -44,32 +37,6 @@ def blocks_to_drop(mass: list[float], live: list[bool], num_computed: int, block
     if excess <= 0:
         return []
     protected = {0, *live_ids[-max(1, keep // 2):]}
-    candidates = sorted((b for b in live_ids if b not in protected), key=lambda b: (mass[b] if b < len(mass) else 0.0, b))
+    candidates = sorted((b for b in live_ids if b not in protected),
+                        key=lambda b: (mass[b] if b < len(mass) else 0.0, b))
     return sorted(candidates[:excess])
-
-
-def accumulate_attention_mass(acc: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
-                              md: AttentionMetadata, backend, scale: float, window: int | None,
-                              sink_tokens: int, kv_scale: torch.Tensor | None) -> None:
-    """Add one layer's attention mass per (request row, block) into acc (num_reqs, max_blocks):
-    the softmax weights each key received from this step's queries, summed over heads and queries,
-    under exactly the mask the backend attended with (causal, window and sinks, dropped blocks)."""
-    qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
-    head_dim = query.shape[-1]
-    for row in range(md.num_reqs):
-        start, end, seq_len = qsl[row], qsl[row + 1], seq_lens[row]
-        num_blocks = -(-seq_len // md.block_size)
-        block_ids, key_valid = request_blocks(md, row, num_blocks)
-        key, _ = backend.gather_blocks(kv_cache, block_ids, head_dim, kv_scale, torch.float32)
-        key = key[:seq_len]
-        q = query[start:end].float()
-        group = q.shape[1] // key.shape[1]
-        scores = torch.einsum("qhd,khd->hqk", q, key.repeat_interleave(group, dim=1)) * scale
-        mask = prefill_mask(end - start, seq_len, window, query.device, sink_tokens, key_valid)
-        if mask is None:
-            mask = torch.ones(end - start, seq_len, dtype=torch.bool, device=query.device).tril_()
-        probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
-        mass = probs.sum(dim=(0, 1))
-        padded = torch.zeros(num_blocks * md.block_size, device=mass.device)
-        padded[:seq_len] = mass
-        acc[row, :num_blocks] += padded.view(num_blocks, md.block_size).sum(dim=-1)

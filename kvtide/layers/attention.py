@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionBackend, AttentionMetadata
-from kvtide.kv_compression.score_dropping import MASS_KEY, accumulate_attention_mass
+from kvtide.kv_compression.attention_mass import MASS_KEY, accumulate_attention_mass
 
 
 class Attention(nn.Module):

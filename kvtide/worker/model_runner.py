@@ -15,9 +15,9 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
+from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
-from kvtide.kv_compression.score_dropping import MASS_KEY
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model

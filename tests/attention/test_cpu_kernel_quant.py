@@ -20,7 +20,7 @@ ISAS = cpu_extension.available_isas()
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8", "k8v4"]
 TOL = {torch.float32: dict(rtol=0, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 KV_SCALE = torch.tensor([0.03, 0.02])
-"""fp8's per-tensor K and V scales: randn / 0.02 spans e4m3's normals and subnormals."""
+"""fp8's per-tensor K and V scales: randn / scale spans e4m3's normals and subnormals."""
 SHORT = [(1, 37), (1, 16), (1, 0), (4, 0), (5, 11), (1, 64), (8, 16), (3, 29), (2, 1)]
 """Decodes and short multi-token rows over cached context, partial blocks among them."""
 LONG = [(1, 300), (1, 129), (3, 200), (1, 70), (6, 90)]
@@ -31,7 +31,8 @@ CASES = [  # (requests, block_size, num_heads, num_kv_heads, head_dim, window, s
     (LONG, 8, 4, 1, 32, 30, 11, 24),
     (LONG, 32, 4, 4, 64, 40, 40, 64),
 ]
-CASE_IDS = ["gqa4", "gqa2-win-parts", "smollm-win-sinks", "mqa-sinks-2-blocks-parts", "mha-sinks-reach-window"]
+CASE_IDS = ["gqa4", "gqa2-win-parts", "smollm-win-sinks", "mqa-sinks-2-blocks-parts",
+            "mha-sinks-reach-window"]
 
 
 def op(name: str, isa: str):
@@ -48,7 +49,8 @@ def fmt_of(name: str) -> KVQuantFormat:
 
 
 def quantized_cache(batch, fmt: KVQuantFormat, with_step: bool = True) -> torch.Tensor:
-    """The batch's random cache (every slot) then this step's K/V, through the reference codec."""
+    """The batch's random cache in every slot, then (with_step) this step's K/V, through the
+    reference codec."""
     _, num_blocks, block_size, num_kv_heads, head_dim = batch.kv_cache.shape
     cache = torch.zeros(fmt.cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.uint8)
     every = batch.kv_cache.reshape(2, -1, num_kv_heads, head_dim)
@@ -128,7 +130,8 @@ def test_quant_op_equals_attention_over_the_dequantized_cache(case, name, dtype,
     cache = quantized_cache(batch, fmt)
     query = batch.query.to(dtype)
     scale = head_dim ** -0.5
-    expected = reference(query, batch.metadata, dequantized_context(cache, fmt, head_dim), scale, window, sinks)
+    context = dequantized_context(cache, fmt, head_dim)
+    expected = reference(query, batch.metadata, context, scale, window, sinks)
     actual = run_quant(isa, batch, cache, fmt, query, scale, window, sinks, partition_tokens)
     torch.testing.assert_close(actual, expected.to(dtype), **TOL[dtype])
 
@@ -143,8 +146,8 @@ def test_quant_op_on_the_other_isa_builds(isa, name):
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 def test_one_key_contexts_return_the_dequantized_value_exactly(isa, name):
     """Over a single key the softmax weight is exactly 1, so the output is V as the kernel
-    dequantized it: equal, bit for bit, to the reference codec's, for every code (fp8: every finite
-    byte; int8 / int4: random codes under random float16 parameters)."""
+    dequantized it: equal to the reference codec's, for every code (fp8: every byte, NaN and
+    infinities included; int8 / int4: random codes under random float16 parameters)."""
     fmt = KVQuantFormat(name, "int8" if name == "int4" else name, name)
     num_kv_heads, head_dim, block_size = 2, 64, 16
     batch = make_paged_batch([(1, 0)] * 6, 4, num_kv_heads, head_dim, block_size, torch.float32, seed=3)
@@ -159,21 +162,24 @@ def test_one_key_contexts_return_the_dequantized_value_exactly(isa, name):
         finite = codes[torch.isfinite(codes.view(FP8_DTYPES[name]).float())]
         k_codes = cache[:, :, lay.k_codes:lay.v_codes]
         k_codes.copy_(finite[torch.arange(k_codes.numel()) % len(finite)].view(k_codes.shape))
-        # The rows' first (only) tokens' V codes: every finite byte.
+        # The rows' first (only) tokens' V codes: every byte, NaN and infinities included.
         count = num_kv_heads * len(blocks) * head_dim
-        cache[:, blocks, lay.v_codes:lay.v_codes + head_dim] = finite[torch.arange(count) % len(finite)].view(
-            num_kv_heads, len(blocks), head_dim)
+        every_byte = (torch.arange(count) % 256).to(torch.uint8)
+        v_first = cache[:, :, lay.v_codes:lay.v_codes + head_dim]  # token 0 of every block
+        v_first[:, blocks] = every_byte.view(num_kv_heads, len(blocks), head_dim)
     else:  # sane float16 parameters: positive scales, mins of either sign
         params = (torch.rand(num_kv_heads, num_blocks, block_size, 2, generator=gen) + 0.01).to(torch.float16)
         params[..., 1] -= 0.5
         cache[:, :, lay.k_params:lay.v_params] = (params[..., 0] / 3).contiguous().view(torch.uint8).view(
             num_kv_heads, num_blocks, -1)
         v_params = params if name == "int4" else params[..., :1]
-        cache[:, :, lay.v_params:] = v_params.contiguous().view(torch.uint8).view(num_kv_heads, num_blocks, -1)
+        cache[:, :, lay.v_params:] = v_params.contiguous().view(torch.uint8).view(
+            num_kv_heads, num_blocks, -1)
     out = run_quant(isa, batch, cache, fmt, batch.query, 0.1, None, 0)
     _, value = fmt.read_blocks(cache, head_dim, KV_SCALE, torch.float32)
     value = value.view(num_kv_heads, num_blocks, block_size, head_dim)[:, blocks, 0]  # (H_kv, rows, D)
-    assert torch.equal(out, value.transpose(0, 1).repeat_interleave(2, dim=1))
+    torch.testing.assert_close(out, value.transpose(0, 1).repeat_interleave(2, dim=1), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def awkward_rows(num_heads: int, head_dim: int) -> torch.Tensor:
@@ -205,7 +211,8 @@ def test_write_op_produces_the_reference_codecs_bytes(isa, dtype, name):
     qkv[:6, num_kv_heads:2 * num_kv_heads] = awkward_rows(num_kv_heads, head_dim)
     qkv[6:12, 2 * num_kv_heads:] = awkward_rows(num_kv_heads, head_dim)
     qkv = qkv.to(dtype)
-    key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]  # strided views, as a model's
+    # Strided views of one tensor, as a model's.
+    key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[3, 17]] = -1  # padding: written nowhere
     initial = torch.randint(0, 256, fmt.cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
@@ -222,10 +229,11 @@ def test_write_op_produces_the_reference_codecs_bytes(isa, dtype, name):
 @pytest.mark.parametrize("case", CASES[1:], ids=CASE_IDS[1:])
 def test_float_op_sinks_equal_the_masked_reference(isa, case):
     requests, block_size, num_heads, num_kv_heads, head_dim, window, sinks, partition_tokens = case
-    batch = make_paged_batch(requests, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=sinks)
+    batch = make_paged_batch(requests, num_heads, num_kv_heads, head_dim, block_size, torch.float32,
+                             seed=sinks)
     cache, md = head_major(batch), batch.metadata
     scale = head_dim ** -0.5
-    for sink_tokens in (sinks, 0, 1, 100):
+    for sink_tokens in (sinks, 1, 100):  # 100: sinks reaching into the window
         expected = reference(batch.query, md, float_context(cache), scale, window, sink_tokens)
         out = torch.full_like(batch.query, float("nan"))
         op("paged_attention", isa)(out, batch.query, cache, md.block_tables, md.seq_lens, md.query_start_loc,
@@ -255,8 +263,8 @@ def test_float_cache_in_another_dtype_than_the_query(isa, cache_dtype, query_dty
     query = batch.query.to(query_dtype)
     expected = reference(query, md, float_context(cache), 0.125, 40, 3)
     out = torch.empty_like(query)
-    op("paged_attention", isa)(out, query, cache, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
-                               0.125, 40, 0, 3)
+    op("paged_attention", isa)(out, query, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                               md.num_reqs, 0.125, 40, 0, 3)
     torch.testing.assert_close(out, expected.to(query_dtype), **TOL[query_dtype])
 
 
@@ -305,9 +313,9 @@ def _bad_quant_inputs(batch, cache, fmt):
     md = batch.metadata
     bad_table = md.block_tables.clone()
     bad_table[0, 0] = cache.shape[1]
-    args = dict(out=torch.empty_like(batch.query), query=batch.query, kv_cache=cache, block_tables=md.block_tables,
-                k_kind=KIND_IDS[fmt.k_kind], v_kind=KIND_IDS[fmt.v_kind], kv_scale=KV_SCALE, head_dim=64,
-                block_size=16)
+    args = dict(out=torch.empty_like(batch.query), query=batch.query, kv_cache=cache,
+                block_tables=md.block_tables, k_kind=KIND_IDS[fmt.k_kind], v_kind=KIND_IDS[fmt.v_kind],
+                kv_scale=KV_SCALE, head_dim=64, block_size=16)
     return {
         "block bytes": {**args, "kv_cache": cache[:, :, :-2].contiguous()},
         "block size": {**args, "block_size": 8},
@@ -330,14 +338,19 @@ def test_bad_input_raises(isa):
     for name, a in _bad_quant_inputs(batch, cache, fmt).items():
         with pytest.raises(RuntimeError, match="paged_attention_quant"):
             attend(a["out"], a["query"], a["kv_cache"], a["block_tables"], md.seq_lens, md.query_start_loc,
-                   md.num_reqs, 0.1, 0, 0, a["k_kind"], a["v_kind"], a["kv_scale"], a["head_dim"], a["block_size"])
+                   md.num_reqs, 0.1, 0, 0, a["k_kind"], a["v_kind"], a["kv_scale"], a["head_dim"],
+                   a["block_size"])
             pytest.fail(f"{name} was accepted")
     write = op("write_kv_quant", isa)
     far = md.slot_mapping.clone()
     far[0] = cache.shape[1] * 16
-    for name, (key, slots, c) in {"slot": (batch.key, far, cache), "int32 slots": (batch.key, far.int(), cache),
-                                  "heads": (batch.key[:, :1], md.slot_mapping, cache),
-                                  "cache": (batch.key, md.slot_mapping, cache.float())}.items():
+    bad_writes = {
+        "slot": (batch.key, far, cache),
+        "int32 slots": (batch.key, md.slot_mapping.int(), cache),
+        "heads": (batch.key[:, :1], md.slot_mapping, cache),
+        "cache": (batch.key, md.slot_mapping, cache.float()),
+    }
+    for name, (key, slots, c) in bad_writes.items():
         with pytest.raises(RuntimeError, match="write_kv_quant"):
             write(key, batch.value[:, :key.shape[1]], c, slots, 2, 3, KV_SCALE, 16)
             pytest.fail(f"{name} was accepted")

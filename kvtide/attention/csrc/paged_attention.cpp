@@ -123,6 +123,38 @@ inline IVec widen_bytes(const uint8_t* p) {
 #endif
 }
 
+// kV fp8 codes at p -> float(code) * scale, where scale256 = 256 * scale (exact). Through the
+// hardware's float16 conversion: e5m2 is a float16's high byte, and an e4m3 code whose magnitude
+// bits sit at float16 bits 7-13 is the float16 of its value / 256, subnormals included (0x7f, its
+// NaN, is patched). Both products round once, as the reference's float(code) * scale.
+template <int64_t kind>
+inline Vec fp8_to_vec(const uint8_t* p, float scale, float scale256) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (kind == kFp8E5m2) return Vec(_mm512_cvtph_ps(_mm256_slli_epi16(w, 8))) * Vec(scale);
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign)),
+                                 _mm512_set1_ps(scale256));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+  return _mm512_mask_blend_ps(nan, x, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (kind == kFp8E5m2) return Vec(_mm256_cvtph_ps(_mm_slli_epi16(w, 8))) * Vec(scale);
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign)),
+                                 _mm256_set1_ps(scale256));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+  return _mm256_blendv_ps(x, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+#else
+  float lanes[kV];
+  for (int64_t i = 0; i < kV; ++i)
+    lanes[i] = (kind == kFp8E4m3 ? e4m3_to_float(p[i]) : e5m2_to_float(p[i])) * scale;
+  return Vec::loadu(lanes);
+#endif
+}
+
 inline float load_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
@@ -209,8 +241,8 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
 // Scores in [ja, jb) -> weights relative to the query's new running max; returns the rescale factor
 // of what it had accumulated. The query sees keys [lo, hi) and the sinks [0, sink_hi) below hi;
 // the others get weight 0.
-inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t sink_hi, int64_t lo, int64_t hi, float& mx,
-                          float& sum) {
+inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t sink_hi, int64_t lo, int64_t hi,
+                          float& mx, float& sum) {
   for (int64_t j = std::max(ja, sink_hi); j < std::min(lo, jb); ++j) s[j] = kNegInf;
   for (int64_t j = std::max(hi, ja); j < jb; ++j) s[j] = kNegInf;
   float block_max = kNegInf;
@@ -298,7 +330,8 @@ struct Workspace {
 
 // ---- where a block's K and V come from -----------------------------------------------------------
 // A source's load(h, block, ja, jb, w) gives KV head h's K and V of cache block `block` as float
-// (block_size, D) arrays whose rows [ja, jb) hold the keys attended.
+// (block_size, D) arrays whose rows [ja, jb) hold the keys attended; prefetch_block(h, block) asks
+// for the bytes a later load(h, block, ...) reads.
 
 struct KVRows {
   const float* k;
@@ -360,17 +393,27 @@ struct QuantLayout {
   }
 };
 
+// fp8 codes [a, b) -> dst[a, b).
+template <int64_t kind>
+inline void dequantize_fp8(const uint8_t* codes, int64_t a, int64_t b, float scale, float* dst) {
+  const float scale256 = scale * 256.f;
+  int64_t i = a;
+  for (; i + kV <= b; i += kV) fp8_to_vec<kind>(codes + i, scale, scale256).store(dst + i);
+  for (; i < b; ++i) dst[i] = (kind == kFp8E4m3 ? e4m3_to_float(codes[i]) : e5m2_to_float(codes[i])) * scale;
+}
+
 // Tokens [ja, jb) of a section of `block` -> dst (block_size, D), as formats.dequantize computes them:
 // each value is a product rounded once (int8's and int4's products are exact), int4's plus its min.
-inline void dequantize(const Section& s, const uint8_t* block, int64_t ja, int64_t jb, int64_t D, float* dst) {
+inline void dequantize(const Section& s, const uint8_t* block, int64_t ja, int64_t jb, int64_t D,
+                       float* dst) {
   const uint8_t* codes = block + s.codes;
   const uint8_t* params = block + s.params;
   switch (s.kind) {
     case kFp8E4m3:
-      for (int64_t i = ja * D; i < jb * D; ++i) dst[i] = e4m3_to_float(codes[i]) * s.scale;
+      dequantize_fp8<kFp8E4m3>(codes, ja * D, jb * D, s.scale, dst);
       break;
     case kFp8E5m2:
-      for (int64_t i = ja * D; i < jb * D; ++i) dst[i] = e5m2_to_float(codes[i]) * s.scale;
+      dequantize_fp8<kFp8E5m2>(codes, ja * D, jb * D, s.scale, dst);
       break;
     case kInt8:
       for (int64_t j = ja; j < jb; ++j) {
@@ -476,7 +519,8 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
     if (b < row.first_block) jb = std::min(jb, sink_hi);
     const int64_t t_first = std::max<int64_t>(0, j0 + ja - first_pos);
     int64_t t_last = row.q_len - 1;
-    if (p.window > 0 && sink_hi == 0) t_last = std::min<int64_t>(t_last, j0 + jb - 1 + p.window - 1 - first_pos);
+    if (p.window > 0 && sink_hi == 0)
+      t_last = std::min<int64_t>(t_last, j0 + jb - 1 + p.window - 1 - first_pos);
     if (ja >= jb || t_first > t_last) continue;
     const KVRows kv = src.load(h, p.block_tables[b], ja, jb, w);
     const int64_t m_end = (t_last + 1) * G;
@@ -603,18 +647,19 @@ void run(const Problem& p, const scalar_t* query, const Source& src, scalar_t* o
 
 // The checks both attention ops share, and their Problem. Every index the kernel will follow is
 // checked here rather than trusted.
-Problem make_problem(const char* op, const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t num_rows, double scale, int64_t window, int64_t sink_tokens, int64_t num_kv_heads,
-                     int64_t num_blocks, int64_t block_size) {
+Problem make_problem(const char* op, const at::Tensor& out, const at::Tensor& query,
+                     const at::Tensor& kv_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
+                     int64_t sink_tokens, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), op,
               ": tensors must be on the CPU");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, op, ": query must be (T, H, D) with unit stride in D, got ",
-              query.sizes());
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, op,
+              ": query must be (T, H, D) with unit stride in D, got ", query.sizes());
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, op,
               ": out must have query's shape with unit stride in D");
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": query must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": query must be float32 or bfloat16, got ",
+              dtype);
   TORCH_CHECK(out.scalar_type() == dtype, op, ": out must have query's dtype");
   const int64_t num_heads = query.size(1);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
@@ -656,9 +701,10 @@ Problem make_problem(const char* op, const at::Tensor& out, const at::Tensor& qu
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t q_start = p.qsl[r], q_len = p.qsl[r + 1] - p.qsl[r], seq_len = p.seq_lens[r];
     TORCH_CHECK(q_start >= 0 && q_len >= 1 && q_start + q_len <= query.size(0), op, ": row ", r,
-                " has query tokens [", q_start, ", ", q_start + q_len, ") outside the ", query.size(0), " given");
-    TORCH_CHECK(seq_len >= q_len && seq_len <= max_table * block_size, op, ": row ", r, " has seq_len ", seq_len,
-                " for ", q_len, " queries and ", max_table, " table entries");
+                " has query tokens [", q_start, ", ", q_start + q_len, ") outside the ", query.size(0),
+                " given");
+    TORCH_CHECK(seq_len >= q_len && seq_len <= max_table * block_size, op, ": row ", r, " has seq_len ",
+                seq_len, " for ", q_len, " queries and ", max_table, " table entries");
     const RowSpan row = row_span(p, r);
     const int32_t* table = p.block_tables + r * p.table_stride;
     for (int64_t i = 0; i < row.visits(); ++i) {
@@ -671,8 +717,8 @@ Problem make_problem(const char* op, const at::Tensor& out, const at::Tensor& qu
 }
 
 template <typename Source>
-void run_any_query(const Problem& p, const at::Tensor& query, at::Tensor& out, const Source& src, int64_t num_rows,
-                   int64_t partition_tokens) {
+void run_any_query(const Problem& p, const at::Tensor& query, at::Tensor& out, const Source& src,
+                   int64_t num_rows, int64_t partition_tokens) {
   if (query.scalar_type() == at::kFloat) {
     run<float>(p, query.data_ptr<float>(), src, out.data_ptr<float>(), num_rows, partition_tokens);
   } else {
@@ -702,9 +748,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "paged_attention: kv_cache must be float32, bfloat16 or float16, got ", cache_dtype);
   TORCH_CHECK(query.dim() == 3 && kv_cache.size(4) == query.size(2),
               "paged_attention: head_dim differs between query and kv_cache");
-  const Problem p = make_problem("paged_attention", out, query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                 num_rows, scale, window, sink_tokens, kv_cache.size(1), kv_cache.size(2),
-                                 kv_cache.size(3));
+  const Problem p = make_problem("paged_attention", out, query, kv_cache, block_tables, seq_lens,
+                                 query_start_loc, num_rows, scale, window, sink_tokens, kv_cache.size(1),
+                                 kv_cache.size(2), kv_cache.size(3));
   if (num_rows == 0) return;
   if (cache_dtype == at::kFloat) {
     run_float_cache<float>(p, query, kv_cache, out, num_rows, partition_tokens);
@@ -718,8 +764,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 // The layer's fp8 scales (kv_scale[0] for K, [1] for V); 1.0 without a tensor.
 std::pair<float, float> tensor_scales(const char* op, const std::optional<at::Tensor>& kv_scale) {
   if (!kv_scale.has_value() || !kv_scale->defined()) return {1.f, 1.f};
-  TORCH_CHECK(kv_scale->device().is_cpu() && kv_scale->scalar_type() == at::kFloat && kv_scale->numel() == 2, op,
-              ": kv_scale must be a (2,) float32 CPU tensor");
+  TORCH_CHECK(kv_scale->device().is_cpu() && kv_scale->scalar_type() == at::kFloat && kv_scale->numel() == 2,
+              op, ": kv_scale must be a (2,) float32 CPU tensor");
   const at::Tensor s = kv_scale->contiguous();
   return {s.data_ptr<float>()[0], s.data_ptr<float>()[1]};
 }
@@ -729,7 +775,8 @@ QuantLayout checked_layout(const char* op, const at::Tensor& kv_cache, int64_t k
   TORCH_CHECK(k_kind >= kFp8E4m3 && k_kind <= kInt4 && v_kind >= kFp8E4m3 && v_kind <= kInt4, op,
               ": k_kind and v_kind must be code kinds 0-3, got ", k_kind, " and ", v_kind);
   TORCH_CHECK(head_dim > 0 && block_size > 0, op, ": head_dim and block_size must be positive");
-  TORCH_CHECK(head_dim % 2 == 0 || (k_kind != kInt4 && v_kind != kInt4), op, ": int4 codes need an even head_dim");
+  TORCH_CHECK(head_dim % 2 == 0 || (k_kind != kInt4 && v_kind != kInt4), op,
+              ": int4 codes need an even head_dim");
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.scalar_type() == at::kByte && kv_cache.dim() == 3 &&
                   kv_cache.is_contiguous(),
               op, ": kv_cache must be a contiguous (H_kv, num_blocks, block_bytes) uint8 CPU tensor, got ",
@@ -737,7 +784,8 @@ QuantLayout checked_layout(const char* op, const at::Tensor& kv_cache, int64_t k
   const auto [k_scale, v_scale] = tensor_scales(op, kv_scale);
   const QuantLayout layout(k_kind, v_kind, block_size, head_dim, k_scale, v_scale);
   TORCH_CHECK(kv_cache.size(2) == layout.block_bytes, op, ": kv_cache blocks have ", kv_cache.size(2),
-              " bytes; these kinds take ", layout.block_bytes, " for ", block_size, " tokens of head_dim ", head_dim);
+              " bytes; these kinds take ", layout.block_bytes, " for ", block_size, " tokens of head_dim ",
+              head_dim);
   return layout;
 }
 
@@ -750,10 +798,11 @@ void paged_attention_quant(at::Tensor& out, const at::Tensor& query, const at::T
   const char* op = "paged_attention_quant";
   const QuantLayout layout = checked_layout(op, kv_cache, k_kind, v_kind, head_dim, block_size, kv_scale);
   TORCH_CHECK(query.dim() == 3 && query.size(2) == head_dim, op, ": query's head_dim is not ", head_dim);
-  const Problem p = make_problem(op, out, query, kv_cache, block_tables, seq_lens, query_start_loc, num_rows, scale,
-                                 window, sink_tokens, kv_cache.size(0), kv_cache.size(1), block_size);
+  const Problem p = make_problem(op, out, query, kv_cache, block_tables, seq_lens, query_start_loc, num_rows,
+                                 scale, window, sink_tokens, kv_cache.size(0), kv_cache.size(1), block_size);
   if (num_rows == 0) return;
-  const QuantBlocks src{kv_cache.data_ptr<uint8_t>(), kv_cache.size(1) * layout.block_bytes, head_dim, layout};
+  const QuantBlocks src{kv_cache.data_ptr<uint8_t>(), kv_cache.size(1) * layout.block_bytes, head_dim,
+                        layout};
   run_any_query(p, query, out, src, num_rows, partition_tokens);
 }
 
@@ -824,7 +873,8 @@ void write_rows(const at::Tensor& key, const at::Tensor& value, uint8_t* cache, 
         uint8_t* b = cache + h * head_bytes + block * layout.block_bytes;
         auto put = [&](const in_t* x, const at::Tensor& src, const Section& s) {
           to_float(x + t * src.stride(0) + h * src.stride(1), row.data(), D);
-          quantize_row(row.data(), D, s, b + s.codes + offset * s.code_bytes, b + s.params + offset * s.param_bytes);
+          quantize_row(row.data(), D, s, b + s.codes + offset * s.code_bytes,
+                       b + s.params + offset * s.param_bytes);
         };
         put(k, key, layout.k);
         put(v, value, layout.v);
@@ -839,8 +889,8 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const char* op = "write_kv_quant";
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && slot_mapping.device().is_cpu(), op,
               ": tensors must be on the CPU");
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1, op,
-              ": key and value must be (T, H_kv, D) with unit stride in D, got ", key.sizes(), " and ",
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              op, ": key and value must be (T, H_kv, D) with unit stride in D, got ", key.sizes(), " and ",
               value.sizes());
   const auto dtype = key.scalar_type();
   TORCH_CHECK(value.scalar_type() == dtype &&
@@ -849,8 +899,8 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const QuantLayout layout = checked_layout(op, kv_cache, k_kind, v_kind, key.size(2), block_size, kv_scale);
   TORCH_CHECK(kv_cache.size(0) == key.size(1), op, ": kv_cache has ", kv_cache.size(0), " KV heads, key ",
               key.size(1));
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
-                  slot_mapping.size(0) == key.size(0),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
               op, ": slot_mapping must be a contiguous (T,) int64 tensor");
   const int64_t num_blocks = kv_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -878,7 +928,8 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
         &KVTIDE_OPS_NS::paged_attention);
   m.def("paged_attention_quant(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale, int window, int sink_tokens, "
-        "int k_kind, int v_kind, Tensor? kv_scale, int head_dim, int block_size, int partition_tokens=0) -> ()",
+        "int k_kind, int v_kind, Tensor? kv_scale, int head_dim, int block_size, "
+        "int partition_tokens=0) -> ()",
         &KVTIDE_OPS_NS::paged_attention_quant);
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, int k_kind, "
         "int v_kind, Tensor? kv_scale, int block_size) -> ()",
