@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvtide.config import EngineConfig
 from kvtide.engine.core import EngineCore
 from kvtide.engine_args import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from kvtide.kv_cache.manager import max_blocks_held
 
 if TYPE_CHECKING:
     from kvtide.worker.executor import UniprocExecutor
@@ -76,13 +77,16 @@ def _num_kv_blocks(config: EngineConfig, bytes_per_block: int, gpu_memory: int |
         memory = min(CPU_DEFAULT_KV_CACHE_MEMORY, tokens // cache.block_size * bytes_per_block + bytes_per_block)
     num_blocks = memory // bytes_per_block
     max_model_len = config.model_config.max_model_len
-    if num_blocks * cache.block_size < max_model_len:
-        need = -(-max_model_len // cache.block_size) * bytes_per_block
+    # Under a sliding window (or sinks + window) a request holds only the blocks its window spans.
+    needed = max_blocks_held(max_model_len, config.scheduler_config.max_num_batched_tokens, cache.block_size,
+                             cache.sliding_window, cache.kv_sink_tokens)
+    if num_blocks < needed:
         utilization = (f"raise gpu_memory_utilization (now {cache.gpu_memory_utilization}), "
                        if cache.kv_cache_memory is None and gpu_memory is not None else "")
-        raise ValueError(f"the KV cache holds {num_blocks * cache.block_size} tokens, fewer than "
-                         f"max_model_len={max_model_len}; {utilization}give kv_cache_memory >= {need} "
-                         f"bytes or lower max_model_len")
+        raise ValueError(f"the KV cache holds {num_blocks * cache.block_size} tokens, fewer than a request of "
+                         f"max_model_len={max_model_len} needs at once ({needed * cache.block_size}); "
+                         f"{utilization}give kv_cache_memory >= {needed * bytes_per_block} bytes or lower "
+                         f"max_model_len")
     return num_blocks
 
 

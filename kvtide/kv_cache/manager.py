@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from kvtide.engine.request import Request
 from kvtide.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvtide.kv_cache.prefix_cache import get_hash_fn, hash_request_blocks
+from kvtide.kv_compression.score_dropping import blocks_to_drop
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,6 +61,23 @@ class FreedBlock:
 
 
 TableEntry = KVCacheBlock | FreedBlock
+DROPPED_BLOCK_ID = -1
+"""A FreedBlock with this id was dropped by the score policy (anywhere in the table, unlike window
+freeing): the runner's table shows -1 there, which every backend masks."""
+
+
+def max_blocks_held(num_tokens: int, max_step_tokens: int, block_size: int, sliding_window: int | None,
+                    sink_tokens: int = 0) -> int:
+    """The most blocks a request of `num_tokens` KV tokens holds at once when no step computes
+    more than `max_step_tokens` tokens: all of them, or under a window the sink blocks plus the
+    blocks from the window's first key to the end of a step. A step starting at c holds blocks
+    floor((c - W + 1) / B) .. cdiv(c + n, B) - 1, at most cdiv(W + n + B - 2, B) of them."""
+    full = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return full
+    step = min(max_step_tokens, num_tokens)
+    window = cdiv(sliding_window + step + block_size - 2, block_size)
+    return min(full, cdiv(sink_tokens, block_size) + window)
 
 
 @dataclass
@@ -74,7 +92,7 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", sliding_window: int | None = None,
-                 sink_tokens: int = 0) -> None:
+                 sink_tokens: int = 0, drop_budget: float | None = None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if sink_tokens < 0:
@@ -88,6 +106,13 @@ class KVCacheManager:
         self.sink_tokens = sink_tokens
         self._num_sink_blocks = cdiv(sink_tokens, block_size)
         """Blocks holding a sink position: never freed while the request lives."""
+        self.drop_budget = drop_budget
+        """The score drop policy's fraction of a request's blocks kept (kv_compression/score_dropping.py);
+        None: no block is dropped."""
+        self._block_mass: dict[str, list[float]] = {}
+        """request id -> attention mass each of its blocks received so far (the score drop policy)."""
+        self._dropped: dict[str, list[int]] = {}
+        """request id -> table indices dropped since take_dropped() last reported them."""
         self.req_to_blocks: dict[str, list[TableEntry]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -113,16 +138,8 @@ class KVCacheManager:
         return sum(1 for b in self.req_to_blocks.get(request_id, ()) if isinstance(b, KVCacheBlock))
 
     def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
-        """The most blocks a request of `num_tokens` KV tokens holds at once when no step computes
-        more than `max_step_tokens` tokens: all of them, or under a window the sink blocks plus the
-        blocks from the window's first key to the end of a step. A step starting at c holds blocks
-        floor((c - W + 1) / B) .. cdiv(c + n, B) - 1, at most cdiv(W + n + B - 2, B) of them."""
-        full = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return full
-        step = min(max_step_tokens, num_tokens)
-        window = cdiv(self.sliding_window + step + self.block_size - 2, self.block_size)
-        return min(full, self._num_sink_blocks + window)
+        """The most blocks a request of `num_tokens` KV tokens holds at once (max_blocks_held)."""
+        return max_blocks_held(num_tokens, max_step_tokens, self.block_size, self.sliding_window, self.sink_tokens)
 
     # ---- prefix lookup ---------------------------------------------------------------------
     def _update_hashes(self, request: Request) -> None:
@@ -182,6 +199,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         self._free_outside_window(request, req_blocks, num_computed)
+        self._drop_low_mass_blocks(request.request_id, req_blocks, num_computed)
         hits = self._hits_in_window(new_computed_blocks or [], len(req_blocks), num_computed)
         live_hits = [b for b in hits if isinstance(b, KVCacheBlock)]
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -240,6 +258,36 @@ class KVCacheManager:
         outside = self._outside_window(num_computed)
         return [FreedBlock(b.block_id, b.generation) if first_index + k in outside else b
                 for k, b in enumerate(hits)]
+
+    # ---- score-based dropping ---------------------------------------------------------------
+    def _drop_low_mass_blocks(self, request_id: str, req_blocks: list[TableEntry], num_computed: int) -> None:
+        """The score drop policy: give back the blocks beyond the request's budget that attention
+        used least (score_dropping.blocks_to_drop); their entries become DROPPED, which the runner
+        masks for every later query."""
+        if self.drop_budget is None or len(req_blocks) < cdiv(num_computed, self.block_size):
+            return
+        live = [isinstance(b, KVCacheBlock) for b in req_blocks]
+        drop = blocks_to_drop(self._block_mass.get(request_id, []), live, num_computed, self.block_size,
+                              self.drop_budget)
+        if not drop:
+            return
+        self.pool.free_blocks([req_blocks[i] for i in reversed(drop)])  # type: ignore[misc]
+        for i in drop:
+            req_blocks[i] = FreedBlock(DROPPED_BLOCK_ID, 0)
+        self._dropped.setdefault(request_id, []).extend(drop)
+
+    def add_block_mass(self, request_id: str, mass: list[float]) -> None:
+        """Add a step's attention mass per block index (ModelRunnerOutput.kv_block_mass)."""
+        if request_id not in self.req_to_blocks:  # ended or preempted while the step ran
+            return
+        acc = self._block_mass.setdefault(request_id, [])
+        acc.extend([0.0] * (len(mass) - len(acc)))
+        for i, m in enumerate(mass):
+            acc[i] += m
+
+    def take_dropped(self, request_id: str) -> list[int]:
+        """Table indices of the request dropped since the last call (the runner marks them -1)."""
+        return self._dropped.pop(request_id, [])
 
     # ---- publishing ------------------------------------------------------------------------
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
@@ -302,9 +350,12 @@ class KVCacheManager:
         needed = range(max(self._outside_window(num_computed).stop, self._num_sink_blocks), num_shared)
         # The parent freed only what no query at or after its own step start reads, and a child
         # starts there or later: whatever the child still reads is live.
-        assert all(isinstance(shared[i], KVCacheBlock) for i in needed), "fork needs a freed block"
+        assert all(isinstance(shared[i], KVCacheBlock) or shared[i].block_id == DROPPED_BLOCK_ID
+                   for i in needed), "fork needs a freed block"
         self.pool.touch(b for b in shared if isinstance(b, KVCacheBlock))
         self.req_to_blocks[child.request_id] = list(shared)
+        if parent.request_id in self._block_mass:  # the child's attention history is the parent's
+            self._block_mass[child.request_id] = list(self._block_mass[parent.request_id])
         child.num_computed_tokens = num_computed
         num_full = num_computed // self.block_size
         child.block_hashes = list(parent.block_hashes[:num_full])
@@ -333,6 +384,8 @@ class KVCacheManager:
         prefix's head is the part most likely to be hit again."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._block_mass.pop(request.request_id, None)
+        self._dropped.pop(request.request_id, None)
         self.pool.free_blocks(reversed([b for b in blocks if isinstance(b, KVCacheBlock)]))
 
     def reset_prefix_cache(self) -> bool:
@@ -344,7 +397,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
-            freed = [i for i, b in enumerate(blocks) if isinstance(b, FreedBlock)]
+            freed = [i for i, b in enumerate(blocks) if isinstance(b, FreedBlock) and b.block_id != DROPPED_BLOCK_ID]
             assert freed == list(range(self._num_sink_blocks, self._num_sink_blocks + len(freed))), freed
             for b in blocks:
                 if isinstance(b, KVCacheBlock):

@@ -111,7 +111,9 @@ class Scheduler:
                                                cache_config.enable_prefix_caching,
                                                cache_config.prefix_caching_hash_algo,
                                                sliding_window=cache_config.sliding_window,
-                                               sink_tokens=cache_config.kv_sink_tokens)
+                                               sink_tokens=cache_config.kv_sink_tokens,
+                                               drop_budget=cache_config.kv_drop_budget
+                                               if cache_config.kv_drop_policy == "score" else None)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -273,7 +275,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                 request.num_computed_tokens, request.unsent_token_ids))
+                                                 request.num_computed_tokens, request.unsent_token_ids,
+                                                 self.kv_cache_manager.take_dropped(request.request_id)))
             request.unsent_token_ids = []
         self.running = scheduled_running + remaining
 
@@ -413,6 +416,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._grammar_failures = self._grammar_failures, []
+        for req_id, mass in runner_output.kv_block_mass.items():  # the score drop policy's history
+            self.kv_cache_manager.add_block_mass(req_id, mass)
         stopped: list[Request] = []
         requeued: set[Request] = set()
         """Preempted after this step was scheduled ahead (they wait to recompute)."""

@@ -205,6 +205,27 @@ def test_a_freed_parent_keeps_its_lineage():
     _assert_drained(mgr)
 
 
+def test_a_block_leaving_the_window_is_published_first():
+    """Accepted drafts make a block's tokens known only at the step that frees it (W = 1): it is
+    published before it is freed, so a later request still hits it."""
+    mgr = KVCacheManager(16, BS, sliding_window=1)
+    req = _request("r", [1, 2, 3, 4])
+    _step(mgr, req, 4)
+    assert mgr.allocate_slots(req, 1 + 3) is not None  # position 4 and drafts at 5, 6, 7
+    req.num_computed_tokens += 4
+    for token in (7, 8, 9, 10):  # the three drafts accepted, and the token after them
+        req.append_output_token(token)
+    second = mgr.req_to_blocks["r"][1]
+    assert second.block_hash is None  # its tokens were not known when it was allocated
+    _step(mgr, req, 1)  # starts at 8: keys >= 8, blocks 0 and 1 are freed
+    assert isinstance(mgr.req_to_blocks["r"][1], FreedBlock) and second.ref_cnt == 0
+    assert second.block_hash == req.block_hashes[1]
+    follower = _request("f", req.all_token_ids[:9])
+    assert mgr.get_computed_blocks(follower)[1] == 8
+    mgr.free(req)
+    _assert_drained(mgr)
+
+
 def test_fork_shares_only_live_blocks():
     mgr = KVCacheManager(32, BS, sliding_window=6, sink_tokens=2)
     parent = _request("p", list(range(10)))
@@ -243,11 +264,11 @@ def test_preempted_request_frees_again_as_it_recomputes():
     mgr.free(req)  # preemption
     req.num_computed_tokens = 0
     _assert_drained(mgr)
-    peak = 0
-    while req.num_computed_tokens < req.num_tokens:
-        _step(mgr, req, min(7, req.num_tokens - req.num_computed_tokens))
+    peak, total = 0, req.num_tokens
+    while req.num_computed_tokens < total:
+        _step(mgr, req, min(7, total - req.num_computed_tokens))
         peak = max(peak, mgr.num_live_blocks("r"))
-    assert peak <= mgr.max_blocks_held(req.num_tokens, 7)
+    assert peak <= mgr.max_blocks_held(total, 7) < cdiv(total, BS)
     mgr.free(req)
     _assert_drained(mgr)
 

@@ -207,7 +207,10 @@ def test_preemption_matches_hf(checkpoint_factory, case, prefix_caching):
     llm = make_llm(model_dir, kv_cache_memory=str(num_blocks * block_bytes), enable_prefix_caching=prefix_caching)
     outputs = llm.generate(PROMPTS, GREEDY_LOGPROBS)
     scheduler = llm.engine.core.scheduler
-    assert scheduler.num_preemptions > 0
+    if case != "mistral-sliding-window":
+        # A windowed request gives a block back for each one it takes, so this pool never preempts
+        # it: preemption under a window is tested in test_sliding_window.py with a smaller pool.
+        assert scheduler.num_preemptions > 0
     assert llm.engine.core.get_stats().num_preemptions == scheduler.num_preemptions
     assert_greedy_matches_hf(model_dir, PROMPTS, outputs)
     # Recomputed positions must not report their logprobs twice.
