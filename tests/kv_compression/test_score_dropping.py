@@ -91,3 +91,24 @@ def test_dropping_changes_what_full_attention_would_say(model_dir, reference):
     prompt_ids, expected, _ = reference
     full = masked_greedy(load_eager(model_dir), prompt_ids, MAX_TOKENS, lambda p, n: torch.arange(n) <= p)
     assert full != expected
+
+
+def test_dropping_on_quantized_blocks_with_forks_and_preemption_leaks_nothing(model_dir):
+    """int8 blocks, n=2 samples sharing the prompt, and a pool small enough to preempt: every
+    request finishes with its tokens, within budget, and the pool gets every block back."""
+    from kvtide.bootstrap import load_tokenizer
+
+    probe = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="4MiB",
+                kv_cache_dtype="int8", attention_backend="torch", enable_prefix_caching=False)
+    block_bytes = probe.engine.core.executor.kv_bytes_per_block()
+    del probe
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=24 * block_bytes,
+              block_size=BLOCK, kv_cache_dtype="int8", kv_drop_policy="score", kv_drop_budget=BUDGET,
+              enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": load_tokenizer(model_dir)(PROMPT[:n]).input_ids} for n in (60, 100, 140)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=80, ignore_eos=True, n=2))
+    assert all(len(c.token_ids) == 80 for o in outputs for c in o.outputs)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0
+    scheduler.kv_cache_manager.check_integrity()
+    assert scheduler.kv_cache_manager.pool.num_free_blocks == scheduler.kv_cache_manager.num_blocks

@@ -85,3 +85,31 @@ def test_perplexity_of_each_kv_setting(reports):
     assert ratio["sinks+window"] < 1.10
     assert all(r.mean_kl > 0 for r in reports.values())
     assert reports["int8"].mean_kl < reports["fp8"].mean_kl < reports["fp8_e5m2"].mean_kl
+
+
+def _chunked_perplexity(token_ids: list[int], chunk: int, **kwargs) -> float:
+    """Perplexity of the text as one prompt computed in `chunk`-token steps (prompt logprobs): a
+    policy that acts between steps (score dropping) shapes what every later chunk attends."""
+    llm = LLM(model="smollm2", device="cpu", dtype="float32", max_model_len=576, kv_cache_memory="64MiB",
+              enable_prefix_caching=False, max_num_batched_tokens=chunk, **kwargs)
+    out = llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    logprobs = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
+    return float(torch.tensor(logprobs, dtype=torch.float64).neg().mean().exp())
+
+
+def test_perplexity_with_score_dropping_at_half_the_kv():
+    """The text (BOS + 511 tokens) prefilled 32 tokens a step; with --kv-drop-budget 0.5 each step
+    attends at most half its context's blocks (the sink block, the recent quarter, and the heaviest
+    hitters), so by the end about 256 of 512 positions are dropped."""
+    from kvtide.bootstrap import load_tokenizer
+
+    with open(TEXT, encoding="utf-8") as f:
+        tokenizer = load_tokenizer(EngineArgs(model="smollm2").resolve_model_dir())
+        ids = tokenizer(f.read(), add_special_tokens=False).input_ids[:511]
+    ids = [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids
+    full = _chunked_perplexity(ids, 32)
+    dropped = _chunked_perplexity(ids, 32, kv_drop_policy="score", kv_drop_budget=0.5)
+    print(f"\nSmolLM2-135M perplexity, 32-token steps: full KV {full:.3f}, score dropping at 50% {dropped:.3f} "
+          f"({dropped / full:.4f}x)")
+    assert 5 < full < 60
+    assert 1.0 < dropped / full < 1.5
