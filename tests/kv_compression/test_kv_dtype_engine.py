@@ -129,6 +129,17 @@ def test_calculated_kv_scales_come_from_the_first_pass(llama_dir):
     (dict(kv_sink_tokens=4), "needs --kv-window-tokens"),
     (dict(kv_window_tokens=0), "kv_window_tokens must be >= 1"),
     (dict(kv_window_tokens=8, kv_sink_tokens=-1), "kv_sink_tokens must be >= 0"),
+    (dict(kv_drop_budget=0.5), "needs --kv-drop-policy"),
+    (dict(kv_drop_policy="random", kv_drop_budget=0.5), "kv_drop_policy must be one of"),
+    (dict(kv_drop_policy="score", enable_prefix_caching=False), r"needs --kv-drop-budget in \(0, 1\]"),
+    (dict(kv_drop_policy="score", kv_drop_budget=1.5, enable_prefix_caching=False), r"\(0, 1\]"),
+    (dict(kv_drop_policy="score", kv_drop_budget=0.5), "prefix cach"),
+    (dict(kv_drop_policy="score", kv_drop_budget=0.5, enable_prefix_caching=False, kv_window_tokens=64),
+     "choose one"),
+    (dict(kv_drop_policy="score", kv_drop_budget=0.5, enable_prefix_caching=False,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
+    (dict(kv_drop_policy="score", kv_drop_budget=0.5, enable_prefix_caching=False, attention_backend="triton"),
+     "needs the torch attention paths"),
 ])
 def test_bad_kv_flags_are_refused_before_anything_loads(llama_dir, kwargs, match):
     kwargs.setdefault("enable_prefix_caching", True)

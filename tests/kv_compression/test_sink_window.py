@@ -51,3 +51,19 @@ def test_sinks_and_window_equal_the_plain_masked_reference(model_dir, backend):
     assert peak <= bound < total
     manager.check_integrity()
     assert manager.pool.num_free_blocks == manager.num_blocks
+
+
+def test_a_pool_smaller_than_max_model_len_serves_windowed_requests(model_dir):
+    """A request under sinks + window holds only what they span, so the engine accepts a pool of
+    far fewer tokens than max_model_len and runs a request of nearly max_model_len through it; a
+    pool too small even for that is refused with the size it needs."""
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=512, block_size=BLOCK, kv_sink_tokens=SINKS,
+                  kv_window_tokens=WINDOW, enable_prefix_caching=False, max_num_batched_tokens=32)
+    probe = LLM(model_dir, kv_cache_memory="4MiB", **kwargs)
+    block_bytes = probe.engine.core.executor.kv_bytes_per_block()
+    del probe
+    llm = LLM(model_dir, kv_cache_memory=8 * block_bytes, **kwargs)  # 128 tokens of pool
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=350, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + 350 <= 512 and len(out.outputs[0].token_ids) == 350
+    with pytest.raises(ValueError, match="fewer than a request of max_model_len=512 needs at once"):
+        LLM(model_dir, kv_cache_memory=3 * block_bytes, **kwargs)
