@@ -177,6 +177,13 @@ def format_machine(record: dict) -> str:
     return "\n".join(lines)
 
 
+def align_rows(rows: list[tuple[str, ...]]) -> list[str]:
+    """A text table: the first column left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+            for row in rows]
+
+
 def print_and_save(result: dict, text: str, output_json: str | None) -> int:
     """Print a benchmark's figures, and write the result to output_json if given; exit status 0."""
     print(text)

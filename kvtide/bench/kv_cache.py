@@ -26,6 +26,7 @@ import sys
 import time
 
 from kvtide.bench.common import (
+    align_rows,
     format_machine,
     machine_record,
     module_main,
@@ -130,10 +131,7 @@ def format_kv_cache(result: dict) -> str:
                      f"{r['seqs_ratio']:.2f}", f"{r['output_tokens_per_s']:.1f}" if "output_tokens_per_s" in r else "-",
                      str(r.get("decode_batch", "-")),
                      f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
-    return "\n".join([head, *lines, format_machine(result["machine"])])
+    return "\n".join([head, *align_rows(rows), format_machine(result["machine"])])
 
 
 def main_kv_cache(args: argparse.Namespace) -> int:

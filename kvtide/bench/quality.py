@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvtide.bench.common import module_main, print_and_save
+from kvtide.bench.common import align_rows, module_main, print_and_save
 from kvtide.bench.throughput import engine_kwargs_from_args
 from kvtide.engine_args import EngineArgs
 
@@ -328,10 +328,7 @@ def format_report(report: QualityReport | list[QualityReport]) -> str:
             (f"{r.reference} (reference)", str(r.tokens_scored), f"{r.reference_perplexity:.4f}", "0", "0", "1")]
     rows += [(c.configuration, str(c.tokens_scored), f"{c.perplexity:.4f}", f"{c.mean_kl:.3e}", f"{c.max_kl:.3e}",
               f"{c.top1_agreement:.4f}") for c in reports]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
-    return "\n".join([head, *lines])
+    return "\n".join([head, *align_rows(rows)])
 
 
 def main_quality(args: argparse.Namespace) -> int:
