@@ -77,6 +77,8 @@ class ModelConfig:
     """The transformers PretrainedConfig the model is built from."""
     quant_config: Any = None
     """The weight quantization the model loads with (layers/quantization/); None: float weights."""
+    moe_capacity_factor: float | None = None
+    """MoE models: tokens per expert per step capped at this times the even share; None: no cap."""
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,10 @@ class EngineArgs:
     with prefix caching or speculative decoding; the torch attention paths compute the scores."""
     kv_drop_budget: float | None = None
     """Fraction in (0, 1] of a request's full KV blocks that --kv-drop-policy score keeps."""
+    moe_capacity_factor: float | None = None
+    """Mixture-of-experts models: cap the token assignments each expert takes in a step at C times
+    its even share (tokens x top_k / experts); assignments past the cap are skipped (the token keeps
+    its residual for that choice) and counted. Off by default, so outputs equal the checkpoint's."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
     measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
@@ -167,6 +171,7 @@ class EngineArgs:
         from transformers import AutoConfig
 
         from kvtide.models.registry import resolve_architecture
+        from kvtide.models.traits import check_model_options
 
         try:
             hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
@@ -230,6 +235,7 @@ class EngineArgs:
         speculative = resolve_speculative_config(self.speculative_config, hf_config, model_dir, max_model_len,
                                                  device, self.trust_remote_code, self.tokenizer)
         kv_policy = resolve_kv_policy(self, hf_config, backend)
+        check_model_options(self, hf_config)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:
@@ -240,7 +246,8 @@ class EngineArgs:
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=dtype,
                                      max_model_len=max_model_len, seed=self.seed,
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
-                                     hf_config=hf_config, quant_config=quant_config),
+                                     hf_config=hf_config, quant_config=quant_config,
+                                     moe_capacity_factor=self.moe_capacity_factor),
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,

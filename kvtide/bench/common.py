@@ -30,20 +30,41 @@ BENCH_MODEL_SEED = 0
 FIRST_PROMPT_TOKEN = 3
 
 
-def bench_model_path() -> str:
-    """The bench checkpoint's directory, built on first use (about 10 s and 0.5 GB)."""
+MOE_BENCH_SHAPES: dict[str, tuple[str, dict]] = {
+    # ~150M parameters, ~40M active: 8 layers of 8 experts (top-2), GQA 8:2.
+    "bench-mixtral": ("MixtralForCausalLM", dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=2048,
+        tie_word_embeddings=False)),
+    # ~120M parameters, ~45M active: MLA (q LoRA 192, latent 128 + rope 32), 1 dense layer, then 16 routed
+    # experts (top-4 of 4 groups, 2 groups kept) and a shared one.
+    "bench-deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536,
+        q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=384, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, vocab_size=32000,
+        max_position_embeddings=2048, tie_word_embeddings=False)),
+}
+"""Random MoE checkpoints `bench --model` knows by name, for the MoE/MLA benchmarks."""
+
+
+def bench_model_path(shape: str | None = None) -> str:
+    """The bench checkpoint's directory (or that of a MOE_BENCH_SHAPES name), built on first use
+    (about 10 s and 0.5 GB)."""
     from kvtide.models.demo import make_random_checkpoint
 
-    path = os.path.join(cache_root(), "bench-models", f"llama-h768-l12-{BENCH_MODEL_VERSION}")
+    architecture, config = ("LlamaForCausalLM", BENCH_MODEL_CONFIG) if shape is None else MOE_BENCH_SHAPES[shape]
+    name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{BENCH_MODEL_VERSION}"
+    path = os.path.join(cache_root(), "bench-models", name)
     marker = os.path.join(path, "kvtide_bench_model.json")
     if os.path.exists(marker):
         return path
 
     def build(tmp: str) -> None:
-        make_random_checkpoint(tmp, "LlamaForCausalLM", seed=BENCH_MODEL_SEED, **BENCH_MODEL_CONFIG)
-        _cover_vocabulary(tmp, BENCH_MODEL_CONFIG["vocab_size"])
+        make_random_checkpoint(tmp, architecture, seed=BENCH_MODEL_SEED, **config)
+        _cover_vocabulary(tmp, config["vocab_size"])
         with open(os.path.join(tmp, "kvtide_bench_model.json"), "w") as f:
-            json.dump({"version": BENCH_MODEL_VERSION, "config": BENCH_MODEL_CONFIG, "seed": BENCH_MODEL_SEED}, f)
+            json.dump({"version": BENCH_MODEL_VERSION, "config": config, "seed": BENCH_MODEL_SEED}, f)
 
     return build_cached_dir(path, build)
 
@@ -61,7 +82,8 @@ def _cover_vocabulary(path: str, vocab_size: int) -> None:
 
 
 def resolve_model(model: str | None) -> str:
-    """--model: None builds/uses the bench checkpoint; 'demo' the demo one; a GGUF file (or 'smollm2')
+    """--model: None builds/uses the bench checkpoint; 'bench-mixtral' / 'bench-deepseek-v3' the MoE
+    ones; 'demo' the demo one; a GGUF file (or 'smollm2')
     its float32 export, so that every engine, those that read only HF checkpoints too, runs the same
     weights; else a directory."""
     from kvtide.models.builtin import builtin_model_path
@@ -69,6 +91,8 @@ def resolve_model(model: str | None) -> str:
 
     if model is None:
         return bench_model_path()
+    if model in MOE_BENCH_SHAPES:
+        return bench_model_path(model)
     path = builtin_model_path(model) or model
     if is_gguf_file(path):
         stem = os.path.splitext(os.path.basename(path))[0]
@@ -104,17 +128,46 @@ def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, outp
 def matmul_flops_per_token(config: dict) -> tuple[float, float]:
     """(FLOPs of one token through all decoder layers' weight matmuls, FLOPs of the LM head).
 
-    2·in·out per linear: q, k, v, o projections and the gated MLP (gate, up, down). Attention's own
-    QK^T and PV products grow with context and are left out, as is everything that is not a matmul,
-    so the count is a floor of the work done."""
+    2·in·out per linear: q, k, v, o projections (MLA: its down- and up-projections, the latent
+    expanded once per token) and the gated MLP (gate, up, down); a sparse MoE layer counts the
+    experts a token is routed to plus the shared ones and the router. Attention's own QK^T and PV
+    products grow with context and are left out, as is everything that is not a matmul, so the
+    count is a floor of the work done."""
     hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
+    total = sum(_attention_flops(config) + _mlp_flops(config, i) for i in range(config["num_hidden_layers"]))
+    return float(total), float(2 * hidden * config["vocab_size"])
+
+
+def _attention_flops(config: dict) -> int:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if "kv_lora_rank" in config:  # MLA
+        qk_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        q_lora = config.get("q_lora_rank")
+        q = hidden * q_lora + q_lora * heads * qk_dim if q_lora else hidden * heads * qk_dim
+        kv = hidden * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) + \
+            config["kv_lora_rank"] * heads * (config["qk_nope_head_dim"] + config["v_head_dim"])
+        return 2 * (q + kv + heads * config["v_head_dim"] * hidden)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    per_layer = 2 * hidden * (q_dim + 2 * kv_dim) + 2 * q_dim * hidden + 2 * 3 * hidden * inter
-    return float(per_layer * config["num_hidden_layers"]), float(2 * hidden * config["vocab_size"])
+    return 2 * hidden * (q_dim + 2 * kv_dim) + 2 * q_dim * hidden
+
+
+def _mlp_flops(config: dict, layer: int) -> int:
+    """The gated MLP, or what a token computes in a sparse layer (routed + shared experts, router)."""
+    hidden = config["hidden_size"]
+    experts = config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0
+    sparse = experts > 0
+    if "first_k_dense_replace" in config:
+        sparse = sparse and layer >= config["first_k_dense_replace"]
+    elif "decoder_sparse_step" in config:
+        sparse = sparse and layer not in (config.get("mlp_only_layers") or []) and \
+            (layer + 1) % config["decoder_sparse_step"] == 0
+    if not sparse:
+        return 2 * 3 * hidden * config["intermediate_size"]
+    expert_inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    shared = (config.get("n_shared_experts") or 0) * expert_inter + (config.get("shared_expert_intermediate_size") or 0)
+    return 2 * 3 * hidden * (config["num_experts_per_tok"] * expert_inter + shared) + 2 * hidden * experts
 
 
 def workload_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> float:

@@ -47,6 +47,10 @@ class Adapter:
         """Speculative-decoding counters so far (SchedulerStats.spec_decoding); None without speculation."""
         return None
 
+    def expert_load_counters(self) -> dict | None:
+        """MoE models: assignments per layer and expert so far (SchedulerStats.expert_load); None otherwise."""
+        return None
+
     def ready_info(self) -> dict:
         """Extra facts for ready.json once loaded: `weight_bytes` where the engine can tell, so a
         comparison of quantized configurations shows what each one holds in memory."""
@@ -73,6 +77,9 @@ class KvtideAdapter(Adapter):
 
     def spec_decode_counters(self) -> dict | None:
         return self.llm.engine.core.get_stats().spec_decoding
+
+    def expert_load_counters(self) -> dict | None:
+        return self.llm.engine.core.get_stats().expert_load
 
     def ready_info(self) -> dict:
         return {"weight_bytes": self.llm.engine.core.executor.runner.weight_bytes}
@@ -321,6 +328,7 @@ ADAPTERS = {"kvtide": KvtideAdapter, "hf": HFAdapter, "vllm": VllmAdapter, "llam
 def run_throughput(adapter: Adapter, workload: dict) -> dict:
     prompts, output_lens = workload["prompts"], workload["output_lens"]
     spec_before = adapter.spec_decode_counters()
+    load_before = adapter.expert_load_counters()
     start = time.perf_counter()
     tokens = adapter.generate(prompts, output_lens)
     elapsed = time.perf_counter() - start
@@ -331,7 +339,24 @@ def run_throughput(adapter: Adapter, workload: dict) -> dict:
            "output_tok_s": output_tokens / elapsed, "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
            "token_ids": tokens}
     _add_spec_decode(out, adapter, spec_before)
+    _add_expert_load(out, adapter, load_before)
     return out
+
+
+def _add_expert_load(out: dict, adapter: Adapter, before: dict | None) -> None:
+    """out["expert_load"]: how evenly the measured part's tokens spread over the experts (kvtide on
+    MoE models only)."""
+    from kvtide.scheduler.expert_load import summarize
+
+    figures = summarize(adapter.expert_load_counters(), before)
+    if figures is not None:
+        out["expert_load"] = figures
+
+
+def format_expert_load(figures: dict, label: str) -> str:
+    return (f"{label} expert load: imbalance (max/mean) {figures['max_imbalance']:.2f} in layer "
+            f"{figures['worst_layer']}, {figures['mean_imbalance']:.2f} averaged over layers; "
+            f"{figures['assignments']} assignments, {figures['dropped']} skipped by the capacity cap")
 
 
 def _add_spec_decode(out: dict, adapter: Adapter, before: dict | None) -> None:

@@ -38,7 +38,7 @@ from kvtide.bench.common import (
     resolve_model,
     workload_flops,
 )
-from kvtide.bench.engines import HFAdapter, KvtideAdapter, run_throughput
+from kvtide.bench.engines import HFAdapter, KvtideAdapter, format_expert_load, run_throughput
 from kvtide.bench.spec_figures import format_spec_decode, speculative_config_record
 from kvtide.engine_args import EngineArgs
 
@@ -182,6 +182,8 @@ def format_result(result: dict) -> str:
                      f"{r['gflop_per_s']:.1f} GFLOP/s{frac}")
         if r.get("spec_decode"):
             lines.append(format_spec_decode(r["spec_decode"], f"{label} speculative decoding"))
+        if r.get("expert_load"):
+            lines.append(format_expert_load(r["expert_load"], label))
     if "kvtide_over_hf" in result:
         agree = result["greedy_agreement_with_hf"]
         lines.append(f"kvtide / HF output tok/s: {result['kvtide_over_hf']:.2f}x; greedy tokens identical "

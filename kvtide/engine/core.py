@@ -30,6 +30,7 @@ from kvtide.config import EngineConfig
 from kvtide.engine.beam_search import BeamSearch
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
+from kvtide.scheduler.expert_load import summarize as summarize_expert_load
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize
@@ -39,6 +40,7 @@ from kvtide.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 SPEC_LOG_INTERVAL_S = 10.0
+EXPERT_LOAD_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -60,6 +62,7 @@ class EngineCore:
                                    SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
                                    self.structured_output)
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
+        self._expert_load_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
         self.beam_search = BeamSearch(self.scheduler)
         self.num_steps = 0
@@ -125,6 +128,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.scheduler.spec_policy is not None:
             self._log_spec_decoding()
+        if self.scheduler.expert_load is not None:
+            self._log_expert_load()
         return outputs + self.beam_search.advance(stalled=scheduler_output.is_empty)
 
     def _log_spec_decoding(self) -> None:
@@ -142,6 +147,21 @@ class EngineCore:
                         figures["acceptance_rate"], figures["num_drafts"], figures["num_draft_tokens"],
                         figures["num_accepted_tokens"],
                         ", ".join(f"{r:.2f}" for r in figures["acceptance_rate_per_pos"]))
+
+    def _log_expert_load(self) -> None:
+        """Every EXPERT_LOAD_LOG_INTERVAL_S: how evenly the interval's tokens spread over the experts."""
+        now = time.monotonic()
+        last_time, last = self._expert_load_logged
+        if now - last_time < EXPERT_LOAD_LOG_INTERVAL_S:
+            return
+        counters = self.scheduler.expert_load.as_dict()  # type: ignore[union-attr]
+        figures = summarize_expert_load(counters, last)
+        self._expert_load_logged = (now, counters)
+        if figures is not None:
+            logger.info("expert load: imbalance (max/mean) %.2f in layer %d (expert %d hottest), %.2f averaged over "
+                        "layers; %d assignments, %d skipped by the capacity cap", figures["max_imbalance"],
+                        figures["worst_layer"], figures["hottest_expert"], figures["mean_imbalance"],
+                        figures["assignments"], figures["dropped"])
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -70,6 +70,9 @@ def make_random_checkpoint(path: str, architecture: str = "LlamaForCausalLM", se
     config_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }[architecture]
     settings = dict(DEMO_CONFIG, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                     pad_token_id=PAD_ID, initializer_range=initializer_range, tie_word_embeddings=False,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -72,12 +73,14 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
+                 mlp: nn.Module | None = None, self_attn: nn.Module | None = None) -> None:
+        """`mlp` / `self_attn` replace the dense gated MLP / GQA attention (MoE and MLA models)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, max_model_len, dtype, qkv_bias, o_bias,
-                                        qk_norm, rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            bias=getattr(config, "mlp_bias", False))
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(
+            config, layer_idx, max_model_len, dtype, qkv_bias, o_bias, qk_norm, rotary)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
+                                                        bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -120,20 +123,55 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
+        rotary = RotaryEmbedding(config, self.rotary_dim(config), max_model_len, dtype)
         self.rotary_emb = rotary
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = self.qkv_bias or attention_bias
-        o_bias = attention_bias and self.o_bias_from_config
+        qkv_bias, o_bias = self.attention_biases(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, max_model_len, dtype, qkv_bias, o_bias, self.qk_norm, rotary)
+            LlamaDecoderLayer(config, i, max_model_len, dtype, qkv_bias, o_bias, self.qk_norm, rotary,
+                              mlp=self.build_mlp(config, i), self_attn=self.build_attention(config, i, max_model_len))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.embed_tokens)
+
+    # ---- hooks for the decoders built on this one ------------------------------------------
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(bias on q, k and v; bias on o_proj)."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return self.qkv_bias or attention_bias, attention_bias and self.o_bias_from_config
+
+    def rotary_dim(self, config) -> int:
+        """The dimensions rotary embeddings rotate per head."""
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def build_mlp(self, config, layer_idx: int) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward block; None: the dense gated MLP."""
+        return None
+
+    def build_attention(self, config, layer_idx: int, max_model_len: int) -> nn.Module | None:
+        """Layer `layer_idx`'s attention block; None: GQA attention with rotary embeddings."""
+        return None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name (without "model.") as this model names it; None skips it."""
+        return name
+
+    def expert_shard(self, name: str) -> tuple[str, object] | None:
+        """(parameter, shard id) for one expert's tensor of a stacked MoE weight, else None."""
+        return None
+
+    def required_shards(self, param_name: str) -> set[object]:
+        """The shard ids a fused parameter is filled by (a plain parameter: {None})."""
+        return self._fused_shards.get(param_name.split(".")[-2], {None})
+
+    @functools.cached_property
+    def _fused_shards(self) -> dict[str, set[object]]:
+        shards_of: dict[str, set[object]] = {}
+        for fused, shard in self.packed_modules_mapping.values():
+            shards_of.setdefault(fused, set()).add(shard)
+        return shards_of
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -172,16 +210,20 @@ class LlamaForCausalLM(nn.Module):
         tied = getattr(self.config, "tie_word_embeddings", False)
         quant_config = getattr(self, "quant_config", None)  # set by prepare_quantization
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            name = self.checkpoint_name(name.removeprefix("model."))
+            if name is None or "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                 continue
             if load_checkpoint_kv_scale(self, name, tensor):
                 continue
             target, shard_id = name, None
-            for ckpt_name, (fused, shard) in self.packed_modules_mapping.items():
-                if f".{ckpt_name}." in name:
-                    target, shard_id = name.replace(ckpt_name, fused), shard
-                    break
+            expert = self.expert_shard(name)
+            if expert is not None:
+                target, shard_id = expert
+            else:
+                for ckpt_name, (fused, shard) in self.packed_modules_mapping.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard_id = name.replace(ckpt_name, fused), shard
+                        break
             if target not in params:
                 if quant_config is not None and quant_config.skip_checkpoint_tensor(name, tensor):
                     continue
@@ -191,12 +233,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = tensor.to(param.dtype)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded_shards.setdefault(target, set()).add(shard_id)
-        shards_of: dict[str, set[object]] = {}
-        for fused, shard in self.packed_modules_mapping.values():
-            shards_of.setdefault(fused, set()).add(shard)
-        # "layers.0.self_attn.qkv_proj.weight" -> module "qkv_proj"
-        return {name for name, shards in loaded_shards.items()
-                if shards >= shards_of.get(name.split(".")[-2], {None})}
+        return {name for name, shards in loaded_shards.items() if shards >= self.required_shards(name)}
 
 
 class MistralForCausalLM(LlamaForCausalLM):

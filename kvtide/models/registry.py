@@ -9,6 +9,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("kvtide.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("kvtide.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvtide.models.qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("kvtide.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kvtide.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kvtide.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kvtide.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kvtide.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -98,3 +98,6 @@ class ModelRunnerOutput:
     kv_block_mass: dict[str, list[float]] = field(default_factory=dict)
     """With the score drop policy: request id -> attention mass each of its blocks received this
     step (per block index, over every layer, head and query of the step)."""
+    expert_load: dict | None = None
+    """MoE models: this step's assignments per sparse layer and expert, and those the capacity cap
+    skipped ({"layers", "tokens", "dropped"}; scheduler/expert_load.py); None for dense models."""

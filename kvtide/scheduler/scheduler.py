@@ -37,6 +37,7 @@ from kvtide.config import CacheConfig, SchedulerConfig
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import Request, RequestStatus
 from kvtide.kv_cache.manager import KVCacheManager
+from kvtide.scheduler.expert_load import ExpertLoadStats
 from kvtide.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -105,6 +106,8 @@ class Scheduler:
         self._grammar_failures: list[EngineCoreOutput] = []
         """Requests ended because their grammar did not compile, reported with the next outputs."""
         self.spec_stats = SpecDecodingStats(spec_policy.config.num_speculative_tokens if spec_policy else 0)
+        self.expert_load: ExpertLoadStats | None = None
+        """MoE models: assignments per sparse layer and expert so far (from the runner's reports)."""
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
@@ -418,6 +421,11 @@ class Scheduler:
         outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, mass in runner_output.kv_block_mass.items():  # the score drop policy's history
             self.kv_cache_manager.add_block_mass(req_id, mass)
+        load = runner_output.expert_load
+        if load is not None:
+            if self.expert_load is None:
+                self.expert_load = ExpertLoadStats(load["layers"], len(load["tokens"][0]))
+            self.expert_load.add(load["tokens"], load["dropped"])
         stopped: list[Request] = []
         requeued: set[Request] = set()
         """Preempted after this step was scheduled ahead (they wait to recompute)."""
@@ -548,6 +556,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             num_used_blocks=pool.num_used_blocks, num_evictable_blocks=pool.num_evictable_blocks,
             num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None,
+            expert_load=self.expert_load.as_dict() if self.expert_load is not None else None,
             structured_output=self.structured_output.stats.as_dict()
             if self.structured_output is not None and self.structured_output.stats.num_constrained_requests else None)
 

@@ -14,6 +14,10 @@ hits, grammar_compile_seconds (a histogram of compilations), jump_forward_tokens
 without a forward pass each) and invalid_requests (constraints refused with a 400: bad schema,
 regex or grammar), from SchedulerStats.structured_output and the input processor.
 
+Mixture-of-experts models: moe_expert_tokens{layer, expert} (assignments routed), moe_layer_tokens
+and moe_dropped_tokens{layer} (skipped by --moe-capacity-factor), moe_expert_load_imbalance{layer}
+(max/mean of the experts' counts) and its largest value, from SchedulerStats.expert_load.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
@@ -26,12 +30,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
 from kvtide.engine.messages import SchedulerStats
+from kvtide.scheduler.expert_load import imbalance
 from kvtide.spec_decode.metrics import difference
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                           0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+MAX_EXPERT_SERIES = 4096
+"""Per-(layer, expert) series of kvtide:moe_expert_tokens a model may have; beyond, per layer only."""
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,6 +106,18 @@ class ServerMetrics:
                                               "Tokens appended without a forward pass each (forced by the grammar).")
         self.so_invalid = counter("structured_output_invalid_requests",
                                   "Requests refused because their schema, regex or grammar is invalid.")
+        self.moe_expert_tokens = Counter("kvtide:moe_expert_tokens", "Token assignments routed to each expert of "
+                                         "each sparse layer (series: at most MAX_EXPERT_SERIES layer x expert pairs).",
+                                         ["model_name", "layer", "expert"], registry=r)
+        self.moe_layer_tokens = Counter("kvtide:moe_layer_tokens", "Token assignments routed in each sparse layer.",
+                                        ["model_name", "layer"], registry=r)
+        self.moe_dropped_tokens = Counter("kvtide:moe_dropped_tokens", "Token assignments skipped by the capacity "
+                                          "cap (--moe-capacity-factor) in each sparse layer.",
+                                          ["model_name", "layer"], registry=r)
+        self.moe_imbalance = Gauge("kvtide:moe_expert_load_imbalance", "Max over mean of the experts' assignments "
+                                   "since start, per sparse layer (1: even).", ["model_name", "layer"], registry=r)
+        self.moe_max_imbalance = gauge("moe_expert_load_imbalance_max",
+                                       "The largest per-layer expert-load imbalance (max/mean) since start.")
         self._so_last_compile = 0
         self._so_last_invalid = 0
         self._last_stats = SchedulerStats()
@@ -139,7 +159,40 @@ class ServerMetrics:
                 counter.inc(new - old)
         self._update_spec_decoding(stats.spec_decoding, last.spec_decoding)
         self._update_structured_output(stats.structured_output, last.structured_output)
+        self._update_expert_load(stats.expert_load, last.expert_load)
         self._last_stats = stats
+
+    def _update_expert_load(self, new: dict | None, old: dict | None) -> None:
+        """Add what each expert's count gained since the last scrape; per-expert series only while
+        layers x experts stays within MAX_EXPERT_SERIES (a 256-expert, 58-layer model keeps its
+        per-layer series)."""
+        if new is None:
+            return
+        per_expert = len(new["layers"]) * len(new["tokens"][0]) <= MAX_EXPERT_SERIES
+        worst = 0.0
+        for i, layer in enumerate(new["layers"]):
+            label = str(layer)
+            tokens, dropped = new["tokens"][i], new["dropped"][i]
+            before = old["tokens"][i] if old is not None else [0] * len(tokens)
+            before_dropped = old["dropped"][i] if old is not None else [0] * len(dropped)
+            if per_expert:
+                for expert, (n, m) in enumerate(zip(tokens, before, strict=True)):
+                    child = self.moe_expert_tokens.labels(layer=label, expert=str(expert), **self._labels)
+                    if n > m:
+                        child.inc(n - m)
+            gained = sum(tokens) - sum(before)
+            layer_counter = self.moe_layer_tokens.labels(layer=label, **self._labels)
+            if gained > 0:
+                layer_counter.inc(gained)
+            skipped = sum(dropped) - sum(before_dropped)
+            dropped_counter = self.moe_dropped_tokens.labels(layer=label, **self._labels)
+            if skipped > 0:
+                dropped_counter.inc(skipped)
+            value = imbalance(tokens)
+            if value is not None:
+                self.moe_imbalance.labels(layer=label, **self._labels).set(value)
+                worst = max(worst, value)
+        self.moe_max_imbalance.set(worst)
 
     def _update_structured_output(self, new: dict | None, old: dict | None) -> None:
         if new is None:

@@ -159,9 +159,11 @@ class DecodeCudaGraphs:
 def maybe_capture_decode_graphs(model: nn.Module, config: EngineConfig,
                                 device: torch.device) -> DecodeCudaGraphs | None:
     """Capture on CUDA with the Triton backend unless enforce_eager; call after the KV caches are
-    bound (the graphs bake in their addresses)."""
+    bound (the graphs bake in their addresses). A model whose forward reads per-step host values
+    (`cuda_graph_safe = False`: MLA attention) runs eagerly."""
     dc = config.device_config
-    if device.type != "cuda" or dc.attention_backend != "triton" or dc.enforce_eager:
+    if device.type != "cuda" or dc.attention_backend != "triton" or dc.enforce_eager \
+            or not getattr(model, "cuda_graph_safe", True):
         return None
     graphs = DecodeCudaGraphs(model, config.cache_config.block_size, config.scheduler_config.max_num_seqs,
                               config.model_config.max_model_len, device)

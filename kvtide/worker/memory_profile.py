@@ -120,10 +120,13 @@ def _bind_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     dtype = runner.kv_tensor_dtype
     runner.kv_caches = []
     for attn in runner.model.attention_layers():
-        shape = backend.kv_cache_shape(num_blocks, runner.block_size, attn.num_kv_heads, attn.head_dim)
+        own_layout = hasattr(attn, "cache_shape")  # MLA's latent cache
+        shape = attn.cache_shape(num_blocks, runner.block_size) if own_layout else \
+            backend.kv_cache_shape(num_blocks, runner.block_size, attn.num_kv_heads, attn.head_dim)
         attn.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         attn.backend = backend
-        runner.kv_caches.append(attn.kv_cache)
+        if not own_layout:
+            runner.kv_caches.append(attn.kv_cache)
 
 
 def _unbind_kv_cache(runner: ModelRunner) -> None:

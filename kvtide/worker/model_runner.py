@@ -83,6 +83,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
+        """Caches in the attention backend's layout."""
+        self._own_layout_caches: list[tuple[torch.nn.Module, torch.Tensor]] = []
+        """(layer, cache) of layers with a layout of their own (MLA's latent cache)."""
         if getattr(mc.quant_config, "needs_calibration", False):
             self._calibrate_quantization(model_dir)
         self.weight_bytes = weight_bytes(self.model)
@@ -105,6 +108,10 @@ class ModelRunner:
 
             self.spec = SpecDecodeWorker(config, self.model, self.device)
         apply_attention_window(self._cached_attention_layers(), config.cache_config)
+        self.moe_layers = moe_layers(self.model)
+        """(decoder layer index, FusedMoE) of each sparse layer: their expert load is reported per step."""
+        for _, moe in self.moe_layers:
+            moe.capacity_factor = mc.moe_capacity_factor
 
     def _calibrate_quantization(self, model_dir: str) -> None:
         """Run the float model over the calibration text with its quantization's observers, then
@@ -142,7 +149,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes over every cached layer, in the cache's format (parameters of a
         quantized one included), so a byte budget holds as many more tokens as the format saves."""
-        return self.block_size * sum(kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
+        return self.block_size * sum(a.kv_bytes_per_token(self.kv_tensor_dtype) if hasattr(a, "cache_shape")
+                                     else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
                                      for a in self._cached_attention_layers())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -155,10 +163,20 @@ class ModelRunner:
             self.spec.capture_graphs(self.config)
         for attn in layers:  # after capture: the first real pass sets the scales (graphs read them in place)
             attn.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
+        self.take_expert_load()  # what load-time passes (profiling, capture) routed is not served load
 
     def _bind_kv_caches(self, layers: list, num_blocks: int) -> list[torch.Tensor]:
+        """A layer with a cache layout of its own (`cache_shape`: MLA's latent cache) gets that;
+        every other layer the backend's."""
         caches = []
+        self._own_layout_caches = []
         for attn in layers:
+            if hasattr(attn, "cache_shape"):
+                attn.kv_cache = torch.zeros(attn.cache_shape(num_blocks, self.block_size), dtype=self.kv_tensor_dtype,
+                                            device=self.device)
+                attn.backend = self.attention_backend
+                self._own_layout_caches.append((attn, attn.kv_cache))
+                continue
             shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
                                                           attn.head_dim)
             attn.kv_cache = torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
@@ -174,6 +192,8 @@ class ModelRunner:
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies, strict=True))
             for cache in self.kv_caches:
                 self.attention_backend.copy_blocks(cache, src, dst)
+            for attn, cache in self._own_layout_caches:
+                attn.copy_blocks(cache, src, dst)
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         drafts = self.spec.propose(so, self.requests) if self.spec is not None and so.num_draft_tokens else {}
@@ -182,7 +202,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
         hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
-        output = ModelRunnerOutput(sampled_token_ids={})
+        output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
         if mass is not None:
             output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
                                     for i, req_id in enumerate(inputs.order)}
@@ -210,6 +230,16 @@ class ModelRunner:
                 if sampled.logprobs[row] is not None:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
         return output
+
+    def take_expert_load(self) -> dict | None:
+        """Assignments each expert of each sparse layer took since the last call, and those the
+        capacity cap skipped: {"layers", "tokens", "dropped"} (scheduler/expert_load.py); None for a
+        dense model."""
+        if not self.moe_layers:
+            return None
+        tokens, dropped = zip(*(moe.take_expert_load() for _, moe in self.moe_layers), strict=True)
+        return {"layers": [i for i, _ in self.moe_layers], "tokens": torch.stack(tokens).tolist(),
+                "dropped": torch.stack(dropped).tolist()}
 
     def _score_accumulator(self, md: AttentionMetadata) -> torch.Tensor | None:
         """The score drop policy's per-step attention mass, (num_reqs, max_blocks), which every
@@ -283,6 +313,14 @@ class ModelRunner:
             for j, pos in enumerate(range(start, end)):
                 entries.append(compute_top_logprobs(logprobs[j], state.token_ids[pos + 1], k))
             output.prompt_logprobs[req_id] = entries
+
+
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder layer index, FusedMoE) for each sparse layer of `model`."""
+    from kvtide.layers.moe import FusedMoE
+
+    return [(i, m) for i, layer in enumerate(getattr(model, "layers", ())) for m in layer.modules()
+            if isinstance(m, FusedMoE)]
 
 
 def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str, CachedRequestState],

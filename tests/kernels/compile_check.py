@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kvtide.attention.triton_kernels as attention_kernels
+import kvtide.layers.moe.triton_moe as moe_kernels
 import kvtide.layers.triton_ops as ops
 
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -80,6 +81,20 @@ def _elementwise(dtype: torch.dtype):
            {"BLOCK": 1024}, {})
 
 
+def _moe_gemm(dtype: torch.dtype, mul_weight: bool, rows_per_expert: int):
+    ptr = POINTER[dtype]
+    signature = {"a_ptr": ptr, "w_ptr": ptr, "c_ptr": ptr, "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "num_assignments": "i32",
+                 "num_experts": "i32", "a_row_divisor": "i32", "a_stride_m": "i32", "a_stride_k": "i32",
+                 "w_stride_e": "i32", "w_stride_n": "i32", "w_stride_k": "i32", "c_stride_m": "i32",
+                 "c_stride_n": "i32"}
+    tiling = moe_kernels.moe_tiling(rows_per_expert, 1)  # decode (BLOCK_M 16) or prefill (64) tiles
+    options = {"num_warps": tiling.pop("num_warps"), "num_stages": tiling.pop("num_stages")}
+    constexprs = dict(MUL_WEIGHT=mul_weight, DOT_PRECISION="ieee" if dtype == torch.float32 else None, **tiling)
+    return (f"moe grouped_gemm {ptr} mul_weight={mul_weight} BLOCK_M={tiling['BLOCK_M']}",
+            moe_kernels._grouped_gemm_kernel, signature, constexprs, options)
+
+
 def configurations(everything: bool):
     dtypes = list(POINTER) if everything else [torch.bfloat16]
     shapes = [(4, 1, 128, False), (4, 64, 128, False), (1, 1, 64, True), (8, 64, 128, True), (32, 1, 128, False),
@@ -88,6 +103,8 @@ def configurations(everything: bool):
         for shape in shapes if everything else shapes[:4]:
             yield _attention(dtype, *shape)
         yield from _elementwise(dtype)
+        yield _moe_gemm(dtype, False, 16)
+        yield _moe_gemm(dtype, True, 128)
     # quantized caches (fp8_e4m3, fp8_e5m2, int8, k8v4): a bf16 decode and a float32 prefill each
     for kinds in ((0, 0), (1, 1), (2, 2), (2, 3)):
         yield _attention(torch.bfloat16, 4, 1, 128, False, kinds)

@@ -31,7 +31,7 @@ import torch
 
 DEVICE = os.environ.get("KVTIDE_TEST_DEVICE", "cpu")
 TRITON_MODULES = ("kvtide.attention.triton_kernels", "kvtide.layers.triton_ops",
-                  "kvtide.layers.quantization.triton_kernels")
+                  "kvtide.layers.quantization.triton_kernels", "kvtide.layers.moe.triton_moe")
 HERE = pathlib.Path(__file__).resolve().parent
 
 

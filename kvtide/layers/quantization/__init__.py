@@ -114,7 +114,7 @@ def _quantizable(module: nn.Module) -> bool:
     from kvtide.layers.embedding import VocabEmbedding
     from kvtide.layers.linear import LinearBase
 
-    return isinstance(module, LinearBase | VocabEmbedding)
+    return isinstance(module, LinearBase | VocabEmbedding) and not getattr(module, "never_quantize", False)
 
 
 def prepare_quantization(model: nn.Module, config: QuantizationConfig) -> None:

@@ -1,0 +1,9 @@
+"""Mixture-of-Experts: routing (routing.py), the grouped expert compute in torch (fused_moe.py), the
+`FusedMoE` layer with its stacked weights (layer.py) and a Triton grouped GEMM for CUDA (triton_moe.py,
+imported only when used)."""
+
+from kvtide.layers.moe.fused_moe import apply_capacity, expert_capacity, fused_experts
+from kvtide.layers.moe.layer import FusedMoE
+from kvtide.layers.moe.routing import select_experts
+
+__all__ = ["FusedMoE", "apply_capacity", "expert_capacity", "fused_experts", "select_experts"]

@@ -1,0 +1,102 @@
+"""The experts' compute in torch: the T * k (token, expert) assignments grouped by expert, one pair
+of matmuls per expert that has tokens, and the optional per-expert capacity limit.
+
+    topk_ids  [[2, 0], [0, 3], [2, 0]]        T = 3 tokens, k = 2
+    flat      [2, 0, 0, 3, 2, 0]              assignment a = t * k + j
+    order     [1, 2, 5, 0, 4, 3]              stable argsort: grouped by expert, tokens in order
+    counts    [3, 0, 2, 1]                    bincount: expert 1 has no tokens and costs nothing
+    tokens    [0, 1, 2, 0, 2, 1]              order // k: the rows gathered from the hidden states
+               \\_e0__/  \\e2/  e3
+
+Each expert's rows are one contiguous slice, so it runs F.linear(x, w13[e]) -> SiLU-and-mul ->
+F.linear(., w2[e]) once over all of them; its rows are scaled by their routing weights and added
+into their tokens with index_add_. Products and sums follow transformers' MoE experts (the
+weight multiplies the down projection's output, in torch's type promotion with the weights'
+dtype, then the result is cast to the hidden dtype and accumulated expert by expert), so in float32
+and bf16 alike the output matches HF's.
+
+An id equal to num_experts (E) means "no expert": the assignment is skipped, its token passes
+through the residual for that choice (capacity drops use it; so could experts on other ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """hidden (T, H), w13 (E, 2I, H) = [gate; up] rows, w2 (E, H, I), topk_* (T, k) -> (T, H):
+    sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x)) with e = topk_ids[t, j].
+
+    topk_ids in [0, E]; E skips the assignment. One host sync (the per-expert counts)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, _ = w13.shape
+    intermediate = two_i // 2
+    out = torch.zeros_like(hidden_states)
+    if num_tokens == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)  # (T * k,)
+    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, in token order
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()  # the one sync
+    num_routed = len(order) - counts[num_experts]  # assignments to id E sort last and are dropped
+    if num_routed == 0:
+        return out
+    order = order[:num_routed]
+    token_idx = order // top_k  # (num_routed,)
+    x_sorted = hidden_states.index_select(0, token_idx)  # (num_routed, H)
+    weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)  # (num_routed, 1)
+    start = 0
+    for expert, count in enumerate(counts[:num_experts]):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = F.linear(x_sorted[start:end], w13[expert])  # (count, 2I)
+        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        down = F.linear(act, w2[expert])  # (count, H)
+        # down * weight in promoted precision (float32 weights: as Mixtral/DeepSeek), then the hidden
+        # dtype; one index_add_ per expert, as HF: a single one over all rows would sum a token's
+        # k rows in float32 and round once, not once per expert as HF does in bf16.
+        out.index_add_(0, token_idx[start:end], (down * weights[start:end]).to(out.dtype))
+        start = end
+    return out
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """ceil(capacity_factor * T * top_k / E): the assignments one expert takes per forward."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0; got {capacity_factor}")
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def apply_capacity(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                   capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert keeps at most `expert_capacity(...)` assignments of this forward, the earliest
+    tokens first (a token's choices are kept or dropped independently); a dropped assignment gets
+    weight 0 and id E, so fused_experts skips it and the token passes through the residual for that
+    choice (its other choices still count, and are not renormalized).
+
+    -> (topk_weights, topk_ids) with the drops applied (new tensors), and dropped (E,) int64: the
+    assignments each expert dropped. Sync-free: the ranks come from one stable sort.
+
+    capacity 1, topk_ids [[0, 1], [0, 2], [1, 0]] -> [[0, 1], [E, 2], [E, E]], dropped [2, 1, 0]"""
+    num_tokens, top_k = topk_ids.shape
+    capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    flat_ids = topk_ids.reshape(-1)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]  # (E,)
+    dropped = (counts - capacity).clamp_min(0)
+    if num_tokens * top_k <= capacity:  # nothing can overflow
+        return topk_weights, topk_ids, dropped
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
+    starts = torch.cat([starts, starts.new_zeros(1)])  # id E: never dropped again (rank unused)
+    rank_sorted = torch.arange(len(order), device=flat_ids.device) - starts[sorted_ids]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted).view_as(topk_ids)
+    drop = (rank >= capacity) & (topk_ids < num_experts)
+    topk_ids = topk_ids.masked_fill(drop, num_experts)
+    topk_weights = topk_weights.masked_fill(drop, 0.0)
+    return topk_weights, topk_ids, dropped

@@ -1,0 +1,167 @@
+"""`FusedMoE`: a sparse MLP block's routed experts, with their weights stacked per expert.
+
+    router_logits (T, E) ──select_experts──▶ topk_weights, topk_ids (T, k)
+                                              │ expert_tokens += bincount(ids); capacity drops
+    hidden (T, H) ──dispatch──▶ local experts (fused_experts, or the Triton kernel on CUDA) ──combine──▶ (T, H)
+
+The router linear and any shared experts belong to the model (they differ between architectures:
+Qwen2-MoE gates its shared expert with a sigmoid, DeepSeek adds n_shared_experts plainly).
+
+Weights, in transformers' fused layout (HF 5.x `experts.gate_up_proj` / `down_proj`):
+
+    w13_weight (E, 2I, H)   rows [0, I): expert e's gate_proj / w1, rows [I, 2I): its up_proj / w3
+    w2_weight  (E, H, I)    expert e's down_proj / w2
+
+A checkpoint's per-expert tensors load through `param.weight_loader(param, tensor, shard_id)`
+with shard_id (e, "w1"), (e, "w3") or (e, "w2"); None loads a whole stacked tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvtide.layers.linear import default_weight_loader
+from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
+from kvtide.layers.moe.routing import select_experts
+
+EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
+"""The shard names each stacked parameter takes (vLLM's names: w1 = gate, w3 = up, w2 = down)."""
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE layer: route, dispatch, compute, combine.
+
+    The routing arguments are select_experts' (routing.py has the table of HF config fields per
+    architecture); `weights_in_logits_dtype` casts the top-k weights to the router logits' dtype
+    before they scale the expert outputs, as Qwen2/3-MoE do (Mixtral and DeepSeek keep float32).
+    `capacity_factor` (None: no limit) caps each expert at ceil(capacity_factor * T * top_k / E)
+    assignments per forward; the later tokens' assignments beyond it are dropped (fused_moe.py).
+
+    Expert load, for balancing and capacity planning: the buffers `expert_tokens` (E,) (the
+    assignments routed to each expert, counted before capacity drops) and `dropped_tokens` (E,) grow
+    every forward while `count_load` is True; `take_expert_load()` reads and zeroes them."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool = False, scoring_func: str = "softmax",
+                 num_expert_group: int | None = None, topk_group: int | None = None,
+                 group_score: str = "max", use_score_correction_bias: bool = False,
+                 routed_scaling_factor: float = 1.0, capacity_factor: float | None = None,
+                 weights_in_logits_dtype: bool = False) -> None:
+        super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None; got {capacity_factor}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.scoring_func = scoring_func
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.group_score = group_score
+        self.routed_scaling_factor = routed_scaling_factor
+        self.capacity_factor = capacity_factor
+        self.weights_in_logits_dtype = weights_in_logits_dtype
+        self.local_experts = range(num_experts)
+        """The experts this rank computes: all of them until expert parallelism splits them."""
+
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if use_score_correction_bias:
+            # float32 whatever the model dtype, as HF's DeepseekV3TopkRouter buffer
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+            self.e_score_correction_bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.count_load = True
+        self.use_triton = False
+        """Run the experts through triton_moe.py's grouped GEMM (CUDA only); set by whoever enables
+        the Triton ops."""
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy a checkpoint tensor into `param`: one expert's w1 / w3 / w2 (shard_id (e, name)),
+        or the whole parameter (None). Shapes must match exactly: ValueError names both."""
+        if shard_id is None:
+            default_weight_loader(param, loaded)
+            return
+        name = next((n for n, p in (("w13_weight", self.w13_weight), ("w2_weight", self.w2_weight))
+                     if p is param), None)
+        if name is None:
+            raise ValueError(f"shard_id {shard_id!r} given for a parameter without expert shards")
+        if (not isinstance(shard_id, tuple) or len(shard_id) != 2 or not isinstance(shard_id[0], int)
+                or shard_id[1] not in EXPERT_SHARDS[name]):
+            raise ValueError(f"{name} takes shard_id (expert_id, one of {EXPERT_SHARDS[name]}); got {shard_id!r}")
+        expert, shard = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert_id {expert} is out of range for {self.num_experts} experts")
+        target = param.data[expert]  # (2I, H) or (H, I)
+        if shard == "w1":
+            target = target[: self.intermediate_size]
+        elif shard == "w3":
+            target = target[self.intermediate_size:]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"{name} shard {shard_id!r}: expected shape {tuple(target.shape)}, got "
+                             f"{tuple(loaded.shape)}")
+        target.copy_(loaded)
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """(T, H), (T, E) -> (T, H): route, dispatch, local experts, combine."""
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
+            num_expert_group=self.num_expert_group, topk_group=self.topk_group, group_score=self.group_score,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor)
+        if self.weights_in_logits_dtype:
+            topk_weights = topk_weights.to(router_logits.dtype)
+        if self.count_load:
+            self.expert_tokens += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            topk_weights, topk_ids, dropped = apply_capacity(topk_weights, topk_ids, self.num_experts,
+                                                             self.capacity_factor)
+            if self.count_load:
+                self.dropped_tokens += dropped
+        hidden_states, topk_weights, topk_ids = self.dispatch(hidden_states, topk_weights, topk_ids)
+        return self.combine(self.run_experts(hidden_states, topk_weights, topk_ids))
+
+    def run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """The local experts' weighted sum per token (ids == E skipped)."""
+        if self.use_triton and hidden_states.is_cuda:
+            from kvtide.layers.moe.triton_moe import triton_fused_experts
+
+            return triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where expert parallelism will send each token to the ranks holding its experts (and map
+        the ids onto local ones, E for "not here"). One rank holds every expert: identity."""
+        return hidden_states, topk_weights, topk_ids
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """Where expert parallelism will return and sum the ranks' partial outputs per token.
+        One rank: identity."""
+        return partial
+
+    # ---- load -------------------------------------------------------------------------------------
+    def take_expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert_tokens, dropped_tokens) since the last call, as copies; the counters restart at 0."""
+        load = (self.expert_tokens.clone(), self.dropped_tokens.clone())
+        self.expert_tokens.zero_()
+        self.dropped_tokens.zero_()
+        return load
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, scoring_func={self.scoring_func}")

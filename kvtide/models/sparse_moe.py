@@ -1,0 +1,78 @@
+"""The sparse feed-forward block of MoE decoders: a router, routed experts, optional shared experts.
+
+    x -> gate (router logits) -> FusedMoE (top-k experts, grouped compute) -> + shared experts(x)
+
+Mixtral has no shared expert; Qwen2-MoE has one, scaled by sigmoid(shared_expert_gate(x));
+DeepSeek-V2/V3 add theirs unscaled. How each checkpoint's tensors land on these modules is the
+model's `expert_shard` / `checkpoint_name` (models/mixtral.py, qwen_moe.py, deepseek.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtide.layers.linear import ReplicatedLinear
+from kvtide.layers.moe import FusedMoE
+
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+"""`layers.3.mlp.experts.7.gate_proj.weight`: one expert's projection in a Hugging Face checkpoint."""
+
+
+def expert_shard(name: str, proj_names: dict[str, str]) -> tuple[str, object] | None:
+    """A per-expert checkpoint tensor -> (stacked FusedMoE parameter, (expert, "w1"|"w2"|"w3")).
+    `proj_names` maps the checkpoint's projection names onto w1 (gate), w3 (up), w2 (down)."""
+    match = EXPERT_TENSOR.match(name)
+    if match is None or match["proj"] not in proj_names:
+        return None
+    shard = proj_names[match["proj"]]
+    param = "w2_weight" if shard == "w2" else "w13_weight"
+    return f"{match['prefix']}.{param}", (int(match["expert"]), shard)
+
+
+def required_expert_shards(param_name: str, num_experts: int) -> set[object] | None:
+    """The shard ids that fill a stacked expert parameter, or None for any other parameter."""
+    if param_name.endswith(".experts.w13_weight"):
+        return {(e, w) for e in range(num_experts) for w in ("w1", "w3")}
+    if param_name.endswith(".experts.w2_weight"):
+        return {(e, "w2") for e in range(num_experts)}
+    return None
+
+
+class RouterLinear(ReplicatedLinear):
+    """The router's hidden -> expert-logit projection. Kept float under weight quantization (its
+    logits pick the experts; vLLM leaves it unquantized too); `fp32` computes in float32 as
+    DeepSeek's routers do."""
+
+    never_quantize = True
+
+    def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.fp32 = fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return super().forward(x)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, experts: FusedMoE, hidden_size: int, router_fp32: bool = False,
+                 shared_expert: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
+        super().__init__()
+        self.gate = RouterLinear(hidden_size, experts.num_experts, fp32=router_fp32)
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = RouterLinear(hidden_size, 1) if shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,268 @@
+"""fused_experts against a per-token float64 loop (random routing, idle experts, one expert for every
+token, T = 1, top_k = 1, 16-bit dtypes); FusedMoE's weight loading from per-expert tensors, its load
+counters, and the capacity limit checked against counts worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvtide.layers.moe.fused_moe as fused_moe_module
+from kvtide.layers.moe import FusedMoE, apply_capacity, expert_capacity, fused_experts, select_experts
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _weights(num_experts: int, hidden: int, intermediate: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=g) * intermediate ** -0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Token by token, choice by choice, in float64; ids equal to E are skipped."""
+    num_experts, two_i, _ = w13.shape
+    i = two_i // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if e == num_experts:
+                continue
+            gate_up = w13[e].double() @ x[t].double()
+            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ (F.silu(gate_up[:i]) * gate_up[i:]))
+    return out
+
+
+def _assert_matches(actual, expected, dtype):
+    assert actual.dtype == dtype
+    scale = expected.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
+
+
+def _random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int, idle: tuple[int, ...] = ()):
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
+    logits[:, list(idle)] = float("-inf")
+    return select_experts(logits, top_k, renormalize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,idle", [
+    (1, 8, 2, ()), (1, 4, 1, ()), (5, 8, 1, (0, 7)), (16, 8, 2, (3,)), (33, 6, 3, (1, 4)), (64, 16, 4, ()),
+])
+def test_fused_experts_equals_the_per_token_loop(dtype, num_tokens, num_experts, top_k, idle):
+    w13, w2 = _weights(num_experts, 48, 40, seed=num_tokens, dtype=dtype)
+    x = torch.randn(num_tokens, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights, ids = _random_routing(num_tokens, num_experts, top_k, seed=2, idle=idle)
+    assert not set(idle) & set(ids.flatten().tolist())
+    _assert_matches(fused_experts(x, w13, w2, weights, ids), _reference(x, w13, w2, weights, ids), dtype)
+
+
+def test_every_token_on_one_expert():
+    w13, w2 = _weights(4, 32, 24, seed=3)
+    x = torch.randn(9, 32)
+    ids = torch.full((9, 1), 2)
+    weights = torch.rand(9, 1) + 0.5
+    _assert_matches(fused_experts(x, w13, w2, weights, ids), _reference(x, w13, w2, weights, ids), torch.float32)
+
+
+def test_idle_experts_cost_nothing(monkeypatch):
+    """One pair of matmuls per expert with tokens, over all of its rows; none for the others."""
+    calls = []
+    linear = F.linear
+
+    def counting_linear(x, w, *args):
+        calls.append((x.shape[0], tuple(w.shape)))
+        return linear(x, w, *args)
+
+    monkeypatch.setattr(fused_moe_module.F, "linear", counting_linear)
+    w13, w2 = _weights(8, 32, 24, seed=4)
+    ids = torch.tensor([[5, 1], [1, 6], [6, 5], [1, 5]])
+    fused_experts(torch.randn(4, 32), w13, w2, torch.rand(4, 2), ids)
+    assert [rows for rows, _ in calls] == [3, 3, 3, 3, 2, 2]  # experts 1, 5, 6: w13 then w2 each
+    assert {shape for _, shape in calls} == {(48, 32), (32, 24)}
+
+
+def test_id_equal_to_num_experts_is_skipped():
+    w13, w2 = _weights(4, 32, 24, seed=5)
+    x = torch.randn(3, 32)
+    ids = torch.tensor([[0, 4], [4, 4], [2, 1]])
+    weights = torch.rand(3, 2)
+    out = fused_experts(x, w13, w2, weights, ids)
+    assert torch.equal(out[1], torch.zeros(32))
+    _assert_matches(out, _reference(x, w13, w2, weights, ids), torch.float32)
+    assert torch.equal(fused_experts(x, w13, w2, weights, torch.full((3, 2), 4)), torch.zeros(3, 32))
+    assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+# ---- FusedMoE: weights ------------------------------------------------------------------------
+def _per_expert_tensors(num_experts: int, hidden: int, intermediate: int, seed: int) -> dict:
+    """What a Mixtral checkpoint holds: experts.{e}.w1 / w3 (I, H) and w2 (H, I)."""
+    g = torch.Generator().manual_seed(seed)
+    return {(e, name): torch.randn(*((intermediate, hidden) if name != "w2" else (hidden, intermediate)),
+                                   generator=g)
+            for e in range(num_experts) for name in ("w1", "w3", "w2")}
+
+
+def _loaded_moe(num_experts=4, top_k=2, hidden=32, intermediate=24, seed=6, **kwargs) -> tuple[FusedMoE, dict]:
+    moe = FusedMoE(num_experts, top_k, hidden, intermediate, renormalize=True, **kwargs)
+    tensors = _per_expert_tensors(num_experts, hidden, intermediate, seed)
+    for (e, name), tensor in tensors.items():
+        param = moe.w2_weight if name == "w2" else moe.w13_weight
+        param.weight_loader(param, tensor, (e, name))
+    return moe, tensors
+
+
+def test_weights_load_from_per_expert_tensors():
+    moe, tensors = _loaded_moe()
+    assert moe.w13_weight.shape == (4, 48, 32) and moe.w2_weight.shape == (4, 32, 24)
+    assert moe.w13_weight.dtype == torch.get_default_dtype() and not moe.w13_weight.requires_grad
+    for e in range(4):
+        assert torch.equal(moe.w13_weight[e, :24], tensors[(e, "w1")])
+        assert torch.equal(moe.w13_weight[e, 24:], tensors[(e, "w3")])
+        assert torch.equal(moe.w2_weight[e], tensors[(e, "w2")])
+    whole = torch.randn(4, 32, 24)
+    moe.w2_weight.weight_loader(moe.w2_weight, whole, None)
+    assert torch.equal(moe.w2_weight.data, whole)
+    assert moe.e_score_correction_bias is None
+    biased = FusedMoE(4, 2, 32, 24, scoring_func="sigmoid", use_score_correction_bias=True)
+    assert biased.e_score_correction_bias.dtype == torch.float32
+    biased.e_score_correction_bias.weight_loader(biased.e_score_correction_bias, torch.arange(4.0), None)
+    assert torch.equal(biased.e_score_correction_bias.data, torch.arange(4.0))
+    assert set(dict(moe.named_parameters())) == {"w13_weight", "w2_weight"}
+    assert "expert_tokens" not in moe.state_dict()  # counters are not checkpoint state
+
+
+@pytest.mark.parametrize("param_name,tensor_shape,shard_id,match", [
+    ("w13_weight", (24, 31), (0, "w1"), r"expected shape \(24, 32\), got \(24, 31\)"),
+    ("w13_weight", (48, 32), (1, "w3"), r"expected shape \(24, 32\), got \(48, 32\)"),
+    ("w2_weight", (24, 32), (2, "w2"), r"expected shape \(32, 24\), got \(24, 32\)"),
+    ("w13_weight", (4, 48, 31), None, r"parameter \(4, 48, 32\) vs checkpoint \(4, 48, 31\)"),
+    ("w13_weight", (24, 32), (0, "w2"), "takes shard_id"),
+    ("w2_weight", (32, 24), (0, "w1"), "takes shard_id"),
+    ("w2_weight", (32, 24), (4, "w2"), "out of range"),
+    ("w13_weight", (24, 32), "w1", "takes shard_id"),
+])
+def test_bad_checkpoint_tensors_raise(param_name, tensor_shape, shard_id, match):
+    moe = FusedMoE(4, 2, 32, 24)
+    param = getattr(moe, param_name)
+    with pytest.raises(ValueError, match=match):
+        param.weight_loader(param, torch.zeros(tensor_shape), shard_id)
+
+
+def test_forward_equals_the_reference_and_counts_the_load():
+    moe, _ = _loaded_moe(num_experts=8, top_k=2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x, logits = torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g)
+    # the reference routing, spelled out: softmax, top 2, renormalized
+    probs = logits.softmax(dim=-1)
+    ref_weights, ref_ids = probs.topk(2, dim=-1)
+    ref_weights = ref_weights / ref_weights.sum(dim=-1, keepdim=True)
+    out = moe(x, logits)
+    _assert_matches(out, _reference(x, moe.w13_weight, moe.w2_weight, ref_weights, ref_ids), torch.float32)
+    moe(x[:5], logits[:5])
+    expected = torch.bincount(ref_ids.flatten(), minlength=8) + torch.bincount(ref_ids[:5].flatten(), minlength=8)
+    assert moe.expert_tokens.dtype == torch.int64 and torch.equal(moe.expert_tokens, expected)
+    tokens, dropped = moe.take_expert_load()
+    assert torch.equal(tokens, expected) and torch.equal(dropped, torch.zeros(8, dtype=torch.int64))
+    assert torch.equal(moe.expert_tokens, torch.zeros(8, dtype=torch.int64))
+    assert torch.equal(tokens, expected)  # a copy, not the zeroed buffer
+    moe.count_load = False
+    moe(x, logits)
+    assert int(moe.expert_tokens.sum()) == 0
+
+
+def test_dispatch_and_combine_hooks_are_on_the_path():
+    moe, _ = _loaded_moe(seed=9)
+    seen = []
+    moe.dispatch = lambda h, w, i: (seen.append(i.clone()), (h, w, i))[1]
+    moe.combine = lambda partial: partial * 2
+    x, logits = torch.randn(3, 32), torch.randn(3, 4)
+    doubled = moe(x, logits)
+    assert len(seen) == 1 and seen[0].shape == (3, 2)
+    del moe.dispatch, moe.combine
+    torch.testing.assert_close(doubled, moe(x, logits) * 2, rtol=0, atol=0)
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+def _logits_for(choices: list[list[int]], num_experts: int) -> torch.Tensor:
+    """Router logits whose top-k are exactly `choices` (first choice strongest)."""
+    logits = torch.zeros(len(choices), num_experts)
+    for t, row in enumerate(choices):
+        for rank, e in enumerate(row):
+            logits[t, e] = 6.0 - rank
+    return logits
+
+
+# 8 tokens, top 2 of 4 experts: 16 assignments, capacity_factor 0.5 -> ceil(0.5 * 16 / 4) = 2 each.
+CHOICES = [[0, 1], [0, 2], [1, 0], [0, 3], [2, 1], [1, 0], [3, 2], [0, 1]]
+# expert 0: tokens 0, 1, 2, 3, 5, 7 -> keeps 0, 1; drops 2, 3, 5, 7 (4)
+# expert 1: tokens 0, 2, 4, 5, 7    -> keeps 0, 2; drops 4, 5, 7 (3)
+# expert 2: tokens 1, 4, 6          -> keeps 1, 4; drops 6 (1)
+# expert 3: tokens 3, 6             -> keeps both (0)
+KEPT = {0: {0, 1}, 1: {0, 2}, 2: {1, 4}, 3: {3, 6}}
+DROPPED = [4, 3, 1, 0]
+
+
+def test_capacity_drops_the_later_tokens():
+    assert expert_capacity(8, 2, 4, 0.5) == 2 and expert_capacity(3, 2, 4, 1.0) == 2
+    moe, _ = _loaded_moe(capacity_factor=0.5, seed=10)
+    x, logits = torch.randn(8, 32, generator=torch.Generator().manual_seed(11)), _logits_for(CHOICES, 4)
+    out = moe(x, logits)
+    tokens, dropped = moe.take_expert_load()
+    assert dropped.tolist() == DROPPED
+    assert tokens.tolist() == [6, 5, 3, 2]  # counted before the drops
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    assert ids.tolist() == CHOICES
+    kept_weights = weights.clone()
+    for t, row in enumerate(CHOICES):
+        for j, e in enumerate(row):
+            if t not in KEPT[e]:
+                kept_weights[t, j] = 0.0  # the token skips this expert (its other choice is not renormalized)
+    _assert_matches(out, _reference(x, moe.w13_weight, moe.w2_weight, kept_weights, ids), torch.float32)
+
+
+def test_capacity_bounds_the_rows_each_expert_computes(monkeypatch):
+    rows = []
+    linear = F.linear
+
+    def counting_linear(x, w, *args):
+        rows.append(x.shape[0])
+        return linear(x, w, *args)
+
+    moe, _ = _loaded_moe(num_experts=8, top_k=2, capacity_factor=0.75, seed=12)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(13))
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(14))
+    logits[:, 3] += 2.0  # a popular expert, so something overflows
+    capacity = expert_capacity(40, 2, 8, 0.75)
+    monkeypatch.setattr(fused_moe_module.F, "linear", counting_linear)
+    moe(x, logits)
+    assert rows and max(rows) <= capacity
+    tokens, dropped = moe.take_expert_load()
+    assert dropped[3] > 0
+    assert torch.equal(dropped, (tokens - capacity).clamp_min(0))
+    assert sum(rows) // 2 == int(tokens.sum() - dropped.sum())  # every kept assignment computed once
+
+
+def test_apply_capacity_as_its_docstring():
+    weights, ids, dropped = apply_capacity(torch.ones(3, 2), torch.tensor([[0, 1], [0, 2], [1, 0]]), 3, 0.5)
+    assert ids.tolist() == [[0, 1], [3, 2], [3, 3]]
+    assert weights.tolist() == [[1, 1], [0, 1], [0, 0]]
+    assert dropped.tolist() == [2, 1, 0]
+
+
+def test_no_capacity_or_a_large_one_changes_nothing():
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(15))
+    logits = torch.randn(10, 4, generator=torch.Generator().manual_seed(16))
+    plain, _ = _loaded_moe(seed=17)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    direct = fused_experts(x, plain.w13_weight, plain.w2_weight, weights, ids)
+    assert torch.equal(plain(x, logits), direct)
+    roomy, _ = _loaded_moe(seed=17, capacity_factor=2.0)  # capacity 10: every token fits
+    assert torch.equal(roomy(x, logits), direct)
+    assert int(roomy.take_expert_load()[1].sum()) == 0
+    with pytest.raises(ValueError, match="capacity_factor"):
+        FusedMoE(4, 2, 32, 24, capacity_factor=0.0)
