@@ -1,4 +1,4 @@
-"""`kvtide bench throughput|latency|serve|compare|quality|kv-cache`, registered into the `kvtide` command."""
+"""`kvtide bench throughput|latency|serve|compare|quality|kv-cache|moe-op`, registered into the `kvtide` command."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ SUBCOMMANDS = {
                 "kvtide.bench.quality", "add_quality_args", "main_quality"),
     "kv-cache": ("KV-cache dtypes side by side: sequences that fit in one --kv-cache-memory, throughput, decode",
                  "kvtide.bench.kv_cache", "add_kv_cache_args", "main_kv_cache"),
+    "moe-op": ("one MoE layer (router + fused experts) vs a dense gated MLP of the same active size",
+               "kvtide.bench.moe_op", "add_moe_op_args", "main_moe_op"),
 }
 
 
 def register(subparsers) -> None:
     import importlib
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality, kv-cache")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality, kv-cache, moe-op")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (help_text, module_name, add_args, main) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

@@ -31,7 +31,8 @@ class _QwenMoeMixin:
         if not is_sparse_layer(config, layer_idx):
             return None
         experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                           config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob))
+                           config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
+                           weights_in_logits_dtype=True)
         shared = None
         if self.shared_expert and config.shared_expert_intermediate_size:
             shared = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size)

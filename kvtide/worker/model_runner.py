@@ -97,6 +97,8 @@ class ModelRunner:
             from kvtide.layers.triton_ops import use_triton_ops
 
             use_triton_ops(self.model)
+            for _, moe in moe_layers(self.model):  # the grouped-GEMM MoE kernel (layers/moe/triton_moe.py)
+                moe.use_triton = True
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()

@@ -69,21 +69,55 @@ def test_every_token_on_one_expert():
     _assert_matches(fused_experts(x, w13, w2, weights, ids), _reference(x, w13, w2, weights, ids), torch.float32)
 
 
+def _count_expert_matmuls(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
+    """(rows, weight shape) of every expert matmul fused_experts runs from now on."""
+    calls = []
+    expert_linear = fused_moe_module.expert_linear
+
+    def counting(x, w, stacked=None):
+        calls.append((x.shape[0], tuple(w.shape)))
+        return expert_linear(x, w, stacked)
+
+    monkeypatch.setattr(fused_moe_module, "expert_linear", counting)
+    return calls
+
+
 def test_idle_experts_cost_nothing(monkeypatch):
     """One pair of matmuls per expert with tokens, over all of its rows; none for the others."""
-    calls = []
-    linear = F.linear
-
-    def counting_linear(x, w, *args):
-        calls.append((x.shape[0], tuple(w.shape)))
-        return linear(x, w, *args)
-
-    monkeypatch.setattr(fused_moe_module.F, "linear", counting_linear)
+    calls = _count_expert_matmuls(monkeypatch)
     w13, w2 = _weights(8, 32, 24, seed=4)
     ids = torch.tensor([[5, 1], [1, 6], [6, 5], [1, 5]])
     fused_experts(torch.randn(4, 32), w13, w2, torch.rand(4, 2), ids)
     assert [rows for rows, _ in calls] == [3, 3, 3, 3, 2, 2]  # experts 1, 5, 6: w13 then w2 each
     assert {shape for _, shape in calls} == {(48, 32), (32, 24)}
+
+
+@pytest.mark.parametrize("weight_major", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 300])
+def test_expert_linear_is_f_linear_in_either_orientation(monkeypatch, rows, weight_major):
+    """Whatever the measurement chose (forced here), the product is F.linear's up to float32 rounding."""
+    class Forced(dict):
+        def get(self, key, default=None):
+            return weight_major
+
+    monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", Forced())
+    monkeypatch.setattr(fused_moe_module, "_weight_major_is_faster", None)  # never measured here
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(40, 96, generator=g)
+    out = fused_moe_module.expert_linear(x, w)
+    assert out.shape == (rows, 40)
+    torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=0, atol=1e-5 * 96 ** 0.5)
+    for x16 in (x.bfloat16(), x[:0]):  # not float32, or no rows: F.linear itself
+        assert torch.equal(fused_moe_module.expert_linear(x16, w.to(x16.dtype)), F.linear(x16, w.to(x16.dtype)))
+
+
+def test_expert_linear_measures_once_per_shape_and_bucket(monkeypatch):
+    monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", {})
+    w = torch.randn(4, 40, 96)
+    for rows in (1, 3, 4, 3, 9, 16):
+        fused_moe_module.expert_linear(torch.randn(rows, 96), w[0], w)
+    threads = torch.get_num_threads()
+    assert set(fused_moe_module._WEIGHT_MAJOR_WINS) == {(40, 96, b, threads) for b in (1, 4, 16)}
 
 
 def test_id_equal_to_num_experts_is_skipped():
@@ -226,20 +260,14 @@ def test_capacity_drops_the_later_tokens():
 
 
 def test_capacity_bounds_the_rows_each_expert_computes(monkeypatch):
-    rows = []
-    linear = F.linear
-
-    def counting_linear(x, w, *args):
-        rows.append(x.shape[0])
-        return linear(x, w, *args)
-
     moe, _ = _loaded_moe(num_experts=8, top_k=2, capacity_factor=0.75, seed=12)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(13))
     logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(14))
     logits[:, 3] += 2.0  # a popular expert, so something overflows
     capacity = expert_capacity(40, 2, 8, 0.75)
-    monkeypatch.setattr(fused_moe_module.F, "linear", counting_linear)
+    calls = _count_expert_matmuls(monkeypatch)
     moe(x, logits)
+    rows = [r for r, _ in calls]
     assert rows and max(rows) <= capacity
     tokens, dropped = moe.take_expert_load()
     assert dropped[3] > 0

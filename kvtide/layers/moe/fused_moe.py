@@ -17,14 +17,35 @@ and bf16 alike the output matches HF's.
 
 An id equal to num_experts (E) means "no expert": the assignment is skipped, its token passes
 through the residual for that choice (capacity drops use it; so could experts on other ranks).
+
+The experts' matmuls see few rows each (decode: 1-2), where BLAS speed depends on the operands'
+orientation: on a Zen 4 EPYC (2 threads), MKL's x @ w.T took 0.5-1.0 ms for a (2048, 768) weight at
+1-4 rows (its sgemv and small-M paths) and (w @ x.T).T 0.2-0.25 ms; above that either won by up to
+~30% depending on the row count, and odd row counts ran up to 2x slower unless padded. So on
+float32 CPU tensors `expert_linear` measures both once per weight shape, row bucket and thread
+count (the first forwards pay for it, ~10-50 ms per shape) and keeps the faster; elsewhere it is
+F.linear. Either way the products are float32 sgemm's, equal up to summation order.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Upper bounds of the row-count buckets of expert_linear's choice; more rows: F.linear."""
+MARGIN = 0.03
+"""The weight-major product must beat F.linear by this fraction to be chosen."""
+MEASURE_BYTES = 48 << 20
+"""At most this much of the experts' weights per measured round: beyond the last-level cache, so
+the weights stream from memory as in a forward."""
+MEASURE_FLOPS = 0.5e9
+"""At most this many FLOPs per measured round (larger row counts are compute-bound: one weight)."""
+_WEIGHT_MAJOR_WINS: dict[tuple[int, int, int, int], bool] = {}
+"""(N, K, bucket, torch threads) -> whether (w @ x.T).T measured faster than F.linear(x, w)."""
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -54,15 +75,62 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         if count == 0:
             continue
         end = start + count
-        gate_up = F.linear(x_sorted[start:end], w13[expert])  # (count, 2I)
+        gate_up = expert_linear(x_sorted[start:end], w13[expert], w13)  # (count, 2I)
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        down = F.linear(act, w2[expert])  # (count, H)
+        down = expert_linear(act, w2[expert], w2)  # (count, H)
         # down * weight in promoted precision (float32 weights: as Mixtral/DeepSeek), then the hidden
         # dtype; one index_add_ per expert, as HF: a single one over all rows would sum a token's
         # k rows in float32 and round once, not once per expert as HF does in bf16.
         out.index_add_(0, token_idx[start:end], (down * weights[start:end]).to(out.dtype))
         start = end
     return out
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, stacked: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w): x (M, K), w (N, K) -> (M, N), on float32 CPU tensors of M <= 256 rows as
+    whichever of x @ w.T and (w @ x.T).T (rows padded: weight_major_linear) measured faster for
+    this shape and row bucket. `stacked` (E, N, K), the experts' weights w belongs to: measured over
+    several of them, so that the weights stream from memory as in a forward, not from the cache."""
+    rows = x.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= ROW_BUCKETS[-1]:
+        return F.linear(x, w)
+    bucket = next(b for b in ROW_BUCKETS if rows <= b)
+    key = (w.shape[0], w.shape[1], bucket, torch.get_num_threads())
+    wins = _WEIGHT_MAJOR_WINS.get(key)
+    if wins is None:
+        wins = _WEIGHT_MAJOR_WINS[key] = _weight_major_is_faster(stacked if stacked is not None else w[None],
+                                                                   bucket)
+    return weight_major_linear(x, w) if wins else F.linear(x, w)
+
+
+def weight_major_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(w @ x.T).T with x row-major (a column-major x is the slow case), its rows padded with zeros
+    to 2 (from 1) or to a multiple of 8 (from 5 up): odd row counts ran up to 2x slower."""
+    rows = x.shape[0]
+    padded = 2 if rows == 1 else rows if rows <= 4 else rows + (-rows) % 8
+    if padded != rows:
+        x_padded = x.new_zeros(padded, x.shape[1])
+        x_padded[:rows] = x
+        x = x_padded
+    return torch.mm(w, x.contiguous().t()).t()[:rows]
+
+
+def _weight_major_is_faster(stacked: torch.Tensor, rows: int, rounds: int = 5) -> bool:
+    """Time both products over a few of the weights in `stacked` (E, N, K), in interleaved rounds."""
+    _, n, k = stacked.shape
+    count = int(min(16, MEASURE_BYTES // stacked[0].nbytes, MEASURE_FLOPS // (2 * rows * n * k)))
+    weights = list(stacked[:max(1, count)])
+    x = torch.randn(rows, k)
+    best = {F.linear: math.inf, weight_major_linear: math.inf}
+    for fn in best:  # warm-up
+        fn(x, weights[0])
+    for _ in range(rounds):  # interleaved; the best round counts (interference only adds time)
+        for fn in best:
+            start = time.perf_counter()
+            for w in weights:
+                fn(x, w)
+            best[fn] = min(best[fn], time.perf_counter() - start)
+    return best[weight_major_linear] < best[F.linear] * (1 - MARGIN)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
