@@ -346,9 +346,12 @@ def run_throughput(adapter: Adapter, workload: dict) -> dict:
 def _add_expert_load(out: dict, adapter: Adapter, before: dict | None) -> None:
     """out["expert_load"]: how evenly the measured part's tokens spread over the experts (kvtide on
     MoE models only)."""
+    after = adapter.expert_load_counters()
+    if after is None:  # and no kvtide import: peers run this file in venvs of their own
+        return
     from kvtide.scheduler.expert_load import summarize
 
-    figures = summarize(adapter.expert_load_counters(), before)
+    figures = summarize(after, before)
     if figures is not None:
         out["expert_load"] = figures
 

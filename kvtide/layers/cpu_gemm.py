@@ -395,7 +395,9 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
     global _PLANNED_HERE
     check_mode(mode)
     _PLANNED_HERE = True
-    layers = [m for m in model.modules() if hasattr(m, "gemm_plan") and getattr(m, "quant_method", None) is None
+    candidates = list(model.modules())
+    candidates += [view for m in candidates if hasattr(m, "gemm_views") for view in m.gemm_views()]  # MoE experts
+    layers = [m for m in candidates if hasattr(m, "gemm_plan") and getattr(m, "quant_method", None) is None
               and m.weight.dtype == torch.float32
               and m.weight.device.type == "cpu" and m.weight.dim() == 2]
     for layer in layers:

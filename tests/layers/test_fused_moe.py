@@ -294,3 +294,26 @@ def test_no_capacity_or_a_large_one_changes_nothing():
     assert int(roomy.take_expert_load()[1].sum()) == 0
     with pytest.raises(ValueError, match="capacity_factor"):
         FusedMoE(4, 2, 32, 24, capacity_factor=0.0)
+
+
+def test_cpu_weight_prepack_plans_the_experts():
+    """--cpu-weight-prepack on: each expert's w13 and w2 get the packed kernel cpu_gemm measured
+    (the views share the stacked weights' storage), and the output stays F.linear's up to rounding."""
+    from kvtide.layers.cpu_gemm import available_candidates, prepack_weights
+
+    if available_candidates() == ["f.linear", "transposed"]:
+        pytest.skip("no packed GEMM kernel in this torch build")
+    moe, _ = _loaded_moe(num_experts=4, hidden=64, intermediate=48)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(9, 4, generator=torch.Generator().manual_seed(4))
+    before = moe(x, logits)
+    planned = prepack_weights(moe, "on", use_cache=False)
+    views = moe.gemm_views()
+    assert planned == len(views) == 8
+    assert all(v.gemm_plan is not None for v in views)
+    assert views[2].weight.data_ptr() == moe.w13_weight[1].data_ptr()
+    assert views[3].weight.data_ptr() == moe.w2_weight[1].data_ptr()
+    # summation order only: within float32 rounding of the products' scale (outputs cancel large terms)
+    torch.testing.assert_close(moe(x, logits), before, rtol=1e-4, atol=1e-5 * before.abs().max().item())
+    prepack_weights(moe, "off", use_cache=False)
+    assert all(v.gemm_plan is None for v in views)

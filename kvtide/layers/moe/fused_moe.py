@@ -24,7 +24,10 @@ orientation: on a Zen 4 EPYC (2 threads), MKL's x @ w.T took 0.5-1.0 ms for a (2
 ~30% depending on the row count, and odd row counts ran up to 2x slower unless padded. So on
 float32 CPU tensors `expert_linear` measures both once per weight shape, row bucket and thread
 count (the first forwards pay for it, ~10-50 ms per shape) and keeps the faster; elsewhere it is
-F.linear. Either way the products are float32 sgemm's, equal up to summation order.
+F.linear. Either way the products are float32 sgemm's, equal up to summation order. Under
+--cpu-weight-prepack, the experts' weights are linears like any other to cpu_gemm.prepack_weights
+(FusedMoE.gemm_views): a packed kernel measured faster there (oneDNN's brgemm ran the 16-row
+products of a 64-request decode 1.3-2x faster than either orientation of sgemm) runs instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from kvtide.layers.cpu_gemm import GemmPlan
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Upper bounds of the row-count buckets of expert_linear's choice; more rows: F.linear."""
@@ -49,11 +54,14 @@ _WEIGHT_MAJOR_WINS: dict[tuple[int, int, int, int], bool] = {}
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  plans: list[tuple[GemmPlan | None, GemmPlan | None]] | None = None) -> torch.Tensor:
     """hidden (T, H), w13 (E, 2I, H) = [gate; up] rows, w2 (E, H, I), topk_* (T, k) -> (T, H):
     sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x)) with e = topk_ids[t, j].
 
-    topk_ids in [0, E]; E skips the assignment. One host sync (the per-expert counts)."""
+    topk_ids in [0, E]; E skips the assignment. One host sync (the per-expert counts). `plans`:
+    per expert, the CPU GEMM kernels (layers/cpu_gemm.py) chosen for its w13 and w2 at load, with
+    their packed copies; None (or a None plan): expert_linear."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, _ = w13.shape
     intermediate = two_i // 2
@@ -75,9 +83,11 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         if count == 0:
             continue
         end = start + count
-        gate_up = expert_linear(x_sorted[start:end], w13[expert], w13)  # (count, 2I)
+        plan13, plan2 = plans[expert] if plans is not None else (None, None)
+        x = x_sorted[start:end]
+        gate_up = plan13(x, w13[expert], None) if plan13 is not None else expert_linear(x, w13[expert], w13)
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        down = expert_linear(act, w2[expert], w2)  # (count, H)
+        down = plan2(act, w2[expert], None) if plan2 is not None else expert_linear(act, w2[expert], w2)
         # down * weight in promoted precision (float32 weights: as Mixtral/DeepSeek), then the hidden
         # dtype; one index_add_ per expert, as HF: a single one over all rows would sum a token's
         # k rows in float32 and round once, not once per expert as HF does in bf16.

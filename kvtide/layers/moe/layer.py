@@ -29,6 +29,18 @@ EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
 """The shard names each stacked parameter takes (vLLM's names: w1 = gate, w3 = up, w2 = down)."""
 
 
+class ExpertGemmView:
+    """One expert's projection seen as a bias-free linear by cpu_gemm.prepack_weights."""
+
+    __slots__ = ("weight", "bias", "gemm_plan", "quant_method")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.bias = None
+        self.gemm_plan = None
+        self.quant_method = None
+
+
 class FusedMoE(nn.Module):
     """The routed experts of one MoE layer: route, dispatch, compute, combine.
 
@@ -84,6 +96,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("dropped_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.count_load = True
         self.use_triton = False
+        self._gemm_views: list[ExpertGemmView] | None = None
         """Run the experts through triton_moe.py's grouped GEMM (CUDA only); set by whoever enables
         the Triton ops."""
 
@@ -141,7 +154,19 @@ class FusedMoE(nn.Module):
             from kvtide.layers.moe.triton_moe import triton_fused_experts
 
             return triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        plans = None
+        if self._gemm_views is not None and any(v.gemm_plan is not None for v in self._gemm_views):
+            views = self._gemm_views
+            plans = [(views[2 * e].gemm_plan, views[2 * e + 1].gemm_plan) for e in range(self.num_experts)]
+        return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, plans)
+
+    def gemm_views(self) -> list[ExpertGemmView]:
+        """Each expert's w13 and w2 as the 2-D `weight` of a linear-like view, for CPU weight
+        prepacking (layers/cpu_gemm.py sets each view's `gemm_plan`); [w13[0], w2[0], w13[1], ...]."""
+        if self._gemm_views is None:
+            self._gemm_views = [ExpertGemmView(w[e]) for e in range(self.num_experts)
+                                for w in (self.w13_weight.data, self.w2_weight.data)]
+        return self._gemm_views
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
