@@ -37,7 +37,7 @@ SOFTMAX_CUTOFF = 64.0
 """Decode keys scoring more than this below their row's best get weight exactly 0. Their true
 weight (< e^-64 ~ 1.6e-28) is invisible in a float32 result, but softmax would return it as a
 subnormal float, and x86 cores multiply subnormals through slow microcode assists: on the bench
-model P @ V ran over 2x slower for it (see `_softmax_without_subnormals`)."""
+model P @ V ran over 2x slower for it (see `softmax_without_subnormals`)."""
 GATHER_CHUNK_BYTES = 8 << 20
 """Contexts gathered at once on the chunked decode path: small enough to stay in cache."""
 
@@ -210,7 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
 
-def _softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
+def softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim of a fresh float32 tensor (modified in place), with weights below
     e^-SOFTMAX_CUTOFF of the row's largest set to exactly 0 instead of left subnormal."""
     scores -= scores.amax(dim=-1, keepdim=True)
@@ -222,5 +222,5 @@ def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: t
     """q (H_kv, rows, group, D), keys_t (H_kv, rows, D, ctx), values (H_kv, rows, ctx, D), bias
     broadcastable to (H_kv, rows, group, ctx) -> (H_kv, rows, group, D)."""
     scores = torch.matmul(q, keys_t)  # (B1, B2, group, ctx)
-    probs = _softmax_without_subnormals(scores.float() + bias).to(q.dtype)
+    probs = softmax_without_subnormals(scores.float() + bias).to(q.dtype)
     return torch.matmul(probs, values)

@@ -36,16 +36,19 @@ MOE_BENCH_SHAPES: dict[str, tuple[str, dict]] = {
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=2048,
         tie_word_embeddings=False)),
-    # ~120M parameters, ~45M active: MLA (q LoRA 192, latent 128 + rope 32), 1 dense layer, then 16 routed
-    # experts (top-4 of 4 groups, 2 groups kept) and a shared one.
+    # ~125M parameters, ~50M active: MLA with DeepSeek-V3's latent (512 + rope 64: the one vLLM's CPU
+    # MLA runs) and q LoRA 192, 1 dense layer, then 16 routed experts (top-4 of 4 groups, 2 groups kept)
+    # and a shared one.
     "bench-deepseek-v3": ("DeepseekV3ForCausalLM", dict(
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536,
-        q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        q_lora_rank=192, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
         n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=384, n_shared_experts=1,
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, vocab_size=32000,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # what DeepSeek-V3's config.json says (vLLM reads them)
         max_position_embeddings=2048, tie_word_embeddings=False)),
 }
 """Random MoE checkpoints `bench --model` knows by name, for the MoE/MLA benchmarks."""
+MOE_BENCH_VERSION = "v3"
 
 
 def bench_model_path(shape: str | None = None) -> str:
@@ -54,7 +57,7 @@ def bench_model_path(shape: str | None = None) -> str:
     from kvtide.models.demo import make_random_checkpoint
 
     architecture, config = ("LlamaForCausalLM", BENCH_MODEL_CONFIG) if shape is None else MOE_BENCH_SHAPES[shape]
-    name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{BENCH_MODEL_VERSION}"
+    name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{MOE_BENCH_VERSION}"
     path = os.path.join(cache_root(), "bench-models", name)
     marker = os.path.join(path, "kvtide_bench_model.json")
     if os.path.exists(marker):

@@ -349,7 +349,7 @@ def _add_expert_load(out: dict, adapter: Adapter, before: dict | None) -> None:
     after = adapter.expert_load_counters()
     if after is None:  # and no kvtide import: peers run this file in venvs of their own
         return
-    from kvtide.scheduler.expert_load import summarize
+    from kvtide.engine.expert_load import summarize
 
     figures = summarize(after, before)
     if figures is not None:

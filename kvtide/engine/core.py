@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 from kvtide.config import EngineConfig
 from kvtide.engine.beam_search import BeamSearch
+from kvtide.engine.expert_load import summarize as summarize_expert_load
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
-from kvtide.scheduler.expert_load import summarize as summarize_expert_load
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize

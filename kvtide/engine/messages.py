@@ -40,7 +40,7 @@ class SchedulerStats:
     """Speculative decoding counters (spec_decode/metrics.py), None when speculation is off."""
     expert_load: dict | None = None
     """MoE models: assignments per sparse layer and expert so far, and those the capacity cap
-    skipped (scheduler/expert_load.py); None for dense models."""
+    skipped (engine/expert_load.py); None for dense models."""
     structured_output: dict | None = None
     """Structured output counters and recent compile times (structured_output/manager.py), None
     before the first constrained request."""

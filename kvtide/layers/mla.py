@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata, decode_context_layout, prefill_mask, request_blocks
-from kvtide.attention.torch_backend import _softmax_without_subnormals
+from kvtide.attention.torch_backend import softmax_without_subnormals
 
 GATHER_CHUNK_BYTES = 16 << 20
 """Decode rows gathered and attended at once (their latent contexts plus float32 scores): small
@@ -195,7 +195,7 @@ class MLAAttention(nn.Module):
         (..., H, S), 0 or -inf -> (..., H, L): the context's latents weighted by the softmax."""
         scores = torch.matmul(query, context.transpose(-1, -2))  # (..., H, S)
         scores = scores.float().mul_(self.scale).add_(bias)  # .float() of float32 scores is them: fresh
-        probs = _softmax_without_subnormals(scores).to(query.dtype)
+        probs = softmax_without_subnormals(scores).to(query.dtype)
         return torch.matmul(probs, context[..., :self.kv_lora_rank])
 
     def _absorbed_decodes(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

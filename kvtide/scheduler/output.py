@@ -100,4 +100,4 @@ class ModelRunnerOutput:
     step (per block index, over every layer, head and query of the step)."""
     expert_load: dict | None = None
     """MoE models: this step's assignments per sparse layer and expert, and those the capacity cap
-    skipped ({"layers", "tokens", "dropped"}; scheduler/expert_load.py); None for dense models."""
+    skipped ({"layers", "tokens", "dropped"}; engine/expert_load.py); None for dense models."""

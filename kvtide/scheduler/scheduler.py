@@ -34,10 +34,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvtide.config import CacheConfig, SchedulerConfig
+from kvtide.engine.expert_load import ExpertLoadStats
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import Request, RequestStatus
 from kvtide.kv_cache.manager import KVCacheManager
-from kvtide.scheduler.expert_load import ExpertLoadStats
 from kvtide.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,

@@ -29,8 +29,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
+from kvtide.engine.expert_load import imbalance
 from kvtide.engine.messages import SchedulerStats
-from kvtide.scheduler.expert_load import imbalance
 from kvtide.spec_decode.metrics import difference
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -235,7 +235,7 @@ class ModelRunner:
 
     def take_expert_load(self) -> dict | None:
         """Assignments each expert of each sparse layer took since the last call, and those the
-        capacity cap skipped: {"layers", "tokens", "dropped"} (scheduler/expert_load.py); None for a
+        capacity cap skipped: {"layers", "tokens", "dropped"} (engine/expert_load.py); None for a
         dense model."""
         if not self.moe_layers:
             return None

@@ -82,7 +82,7 @@ def test_equal_length_prompts_batched_in_one_call_equal_reference(window):
 def test_decode_softmax_leaves_no_subnormal_weights():
     """Scores spread wider than the cutoff: softmax alone yields subnormal weights (slow to
     multiply on x86); ours zeroes them and otherwise equals softmax, masked keys staying 0."""
-    from kvtide.attention.torch_backend import SOFTMAX_CUTOFF, _softmax_without_subnormals
+    from kvtide.attention.torch_backend import SOFTMAX_CUTOFF, softmax_without_subnormals
 
     torch.manual_seed(0)
     scores = torch.randn(4, 8, 3, 96) * 40
@@ -90,7 +90,7 @@ def test_decode_softmax_leaves_no_subnormal_weights():
     plain = scores.softmax(dim=-1)
     tiny = torch.finfo(torch.float32).tiny
     assert ((plain > 0) & (plain < tiny)).any(), "the case must produce subnormals to be a test"
-    ours = _softmax_without_subnormals(scores.clone())
+    ours = softmax_without_subnormals(scores.clone())
     assert not ((ours > 0) & (ours < tiny)).any()
     assert torch.equal(ours[..., 80:], torch.zeros_like(ours[..., 80:]))
     torch.testing.assert_close(ours, plain, rtol=1e-6, atol=float(torch.exp(torch.tensor(-SOFTMAX_CUTOFF))))

@@ -16,7 +16,7 @@ from hf_reference import hf_model_and_tokenizer, hf_prompt_ids
 from test_hf_parity import GREEDY, MAX_TOKENS, PROMPTS, make_llm
 
 from kvtide.engine import core as engine_core
-from kvtide.scheduler.expert_load import ExpertLoadStats, imbalance, summarize
+from kvtide.engine.expert_load import ExpertLoadStats, imbalance, summarize
 
 MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
 EXPERTS, TOP_K = 4, 2
