@@ -16,7 +16,7 @@ import torch
 from kvtide.config import EngineConfig
 from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvtide.scheduler.output import NewRequestData, SchedulerOutput
-from kvtide.worker.model_runner import ModelRunner
+from kvtide.worker.model_runner import ModelRunner, has_own_cache_layout, layer_cache_shape
 
 PROFILE_REQUEST_PREFIX = "__profile-"
 """Dummy request ids; real ones come from the engine's counter and never start with this."""
@@ -120,12 +120,10 @@ def _bind_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     dtype = runner.kv_tensor_dtype
     runner.kv_caches = []
     for attn in runner.model.attention_layers():
-        own_layout = hasattr(attn, "cache_shape")  # MLA's latent cache
-        shape = attn.cache_shape(num_blocks, runner.block_size) if own_layout else \
-            backend.kv_cache_shape(num_blocks, runner.block_size, attn.num_kv_heads, attn.head_dim)
+        shape = layer_cache_shape(attn, backend, num_blocks, runner.block_size)
         attn.kv_cache = torch.zeros(shape, dtype=dtype, device=runner.device)
         attn.backend = backend
-        if not own_layout:
+        if not has_own_cache_layout(attn):
             runner.kv_caches.append(attn.kv_cache)
 
 

@@ -151,7 +151,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes over every cached layer, in the cache's format (parameters of a
         quantized one included), so a byte budget holds as many more tokens as the format saves."""
-        return self.block_size * sum(a.kv_bytes_per_token(self.kv_tensor_dtype) if hasattr(a, "cache_shape")
+        return self.block_size * sum(a.kv_bytes_per_token(self.kv_tensor_dtype) if has_own_cache_layout(a)
                                      else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
                                      for a in self._cached_attention_layers())
 
@@ -173,17 +173,13 @@ class ModelRunner:
         caches = []
         self._own_layout_caches = []
         for attn in layers:
-            if hasattr(attn, "cache_shape"):
-                attn.kv_cache = torch.zeros(attn.cache_shape(num_blocks, self.block_size), dtype=self.kv_tensor_dtype,
-                                            device=self.device)
-                attn.backend = self.attention_backend
-                self._own_layout_caches.append((attn, attn.kv_cache))
-                continue
-            shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads,
-                                                          attn.head_dim)
+            shape = layer_cache_shape(attn, self.attention_backend, num_blocks, self.block_size)
             attn.kv_cache = torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
             attn.backend = self.attention_backend
-            caches.append(attn.kv_cache)
+            if has_own_cache_layout(attn):
+                self._own_layout_caches.append((attn, attn.kv_cache))
+            else:
+                caches.append(attn.kv_cache)
         return caches
 
     # ---- the step ----------------------------------------------------------------------------
@@ -315,6 +311,18 @@ class ModelRunner:
             for j, pos in enumerate(range(start, end)):
                 entries.append(compute_top_logprobs(logprobs[j], state.token_ids[pos + 1], k))
             output.prompt_logprobs[req_id] = entries
+
+
+def has_own_cache_layout(attn) -> bool:
+    """Whether an attention layer lays out its cache itself (`cache_shape`: MLA's latent cache)."""
+    return hasattr(attn, "cache_shape")
+
+
+def layer_cache_shape(attn, backend, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's cache shape: its own layout, or the attention backend's."""
+    if has_own_cache_layout(attn):
+        return attn.cache_shape(num_blocks, block_size)
+    return backend.kv_cache_shape(num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
 
 
 def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
