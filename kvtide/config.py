@@ -147,6 +147,31 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine replica spreads over processes, and how many replicas serve (vLLM's names)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """Engine replicas (each tensor_parallel_size x pipeline_parallel_size ranks) behind one API server."""
+    data_parallel_size_local: int | None = None
+    """Replicas started on this node (default: all of them)."""
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    enable_expert_parallel: bool = False
+    """MoE layers: each rank of the TP group owns whole experts instead of a slice of every one."""
+    distributed_executor_backend: str = "uni"
+    """'uni' (one process), 'mp' (one worker process per extra rank on this node) or 'ray'."""
+    cpu_threads_per_rank: int | None = None
+    """torch threads of each rank on CPU (None: the usable cores split evenly)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Constrained decoding (structured_output/)."""
 
@@ -191,6 +216,7 @@ class EngineConfig:
     speculative_config: Any = None
     """kvtide.spec_decode.config.SpeculativeConfig, or None: no speculative decoding."""
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

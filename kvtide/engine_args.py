@@ -21,6 +21,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
+from kvtide.distributed.config_checks import resolve_parallel_config
 from kvtide.kv_compression.policy import resolve_kv_policy
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
 from kvtide.layers.quantization import resolve_quantization
@@ -122,6 +123,27 @@ class EngineArgs:
     F.linear's rounding error; verdicts cached per machine). A packed kernel keeps a copy of the
     weight (auto: only when the copies fit in a quarter of free memory); on: a packed kernel
     wherever one is accurate, whatever the speed; off: F.linear always."""
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer's weights (attention heads by column, MLP by row; one all-reduce
+    after each). Heads, and KV heads unless fewer than the ranks (then replicated), must divide."""
+    pipeline_parallel_size: int = 1
+    """Stages the decoder layers are split into (each stage tensor_parallel_size ranks)."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one API server, requests balanced by load and prefix affinity."""
+    data_parallel_size_local: int | None = None
+    """Replicas this node starts (multi-node data parallelism; default: data_parallel_size)."""
+    data_parallel_address: str | None = None
+    """Address the replicas of a multi-node data-parallel deployment reach the head on."""
+    data_parallel_rpc_port: int | None = None
+    """Port on data_parallel_address for the replicas' coordination."""
+    enable_expert_parallel: bool = False
+    """MoE models: the tensor-parallel ranks own whole experts (tokens reach them by all-to-all)
+    instead of splitting every expert's matrices."""
+    distributed_executor_backend: str | None = None
+    """mp (a worker process per rank on this node) or ray (workers as Ray actors, placed across the
+    nodes of a running Ray cluster); default: mp when a replica has more than one rank."""
+    cpu_threads_per_rank: int | None = None
+    """On CPU, torch threads each rank runs (default: the usable cores split evenly between ranks)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -236,6 +258,7 @@ class EngineArgs:
                                                  device, self.trust_remote_code, self.tokenizer)
         kv_policy = resolve_kv_policy(self, hf_config, backend)
         check_model_options(self, hf_config)
+        parallel = resolve_parallel_config(self, hf_config, device, quant_config, speculative)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:
@@ -263,6 +286,7 @@ class EngineArgs:
                                        cpu_weight_prepack=self.cpu_weight_prepack),
             speculative_config=speculative,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            parallel_config=parallel,
         )
 
     def replace(self, **kwargs) -> EngineArgs:
