@@ -6,6 +6,7 @@ offline LLM and the server's engine-core process start here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -134,14 +135,29 @@ class _GpuBudget:
                                    self.used_by_others, weights, activation_peak)
 
 
-def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
+def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs):
+    """One process for a single-rank replica; else the configured distributed executor (its
+    workers rebuild the config from `args`)."""
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "mp":
+        from kvtide.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_dir, dataclasses.asdict(args))
+    if backend == "ray":
+        from kvtide.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_dir, dataclasses.asdict(args))
     from kvtide.worker.executor import UniprocExecutor
 
+    return UniprocExecutor(config, model_dir)
+
+
+def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
     model_dir = args.resolve_model_dir()
     config = args.create_engine_config(model_dir)
     meter = _gpu_memory_meter(config)
     budget = _GpuBudget(meter) if meter is not None else None  # read before the weights load
-    executor = UniprocExecutor(config, model_dir)
+    executor = make_executor(config, model_dir, args)
     gpu_memory = budget.kv_cache_memory(config, executor) if budget is not None else None
     num_blocks = _num_kv_blocks(config, executor.kv_bytes_per_block(), gpu_memory)
     executor.initialize_kv_cache(num_blocks)

@@ -33,7 +33,9 @@ def load_checkpoint_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) 
         attn = model.get_submodule(match["attn"] + ".attn")
     except AttributeError:
         return False
-    value = tensor.float().max()
+    from kvtide.layers.linear import materialize
+
+    value = materialize(tensor).float().max()
     if not torch.isfinite(value) or value <= 0:
         raise ValueError(f"checkpoint KV scale {name!r} must be finite and > 0, got {value.item()}")
     which = {"k_scale": [0], "v_scale": [1], "kv_scale": [0, 1]}[match["which"]]

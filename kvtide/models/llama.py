@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
+from kvtide.distributed import get_pp_group, split_evenly
 from kvtide.kv_compression.scales import load_checkpoint_kv_scale
 from kvtide.layers.activation import SiluAndMul
 from kvtide.layers.attention import Attention
@@ -22,6 +23,7 @@ from kvtide.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
+    materialize,
 )
 from kvtide.layers.norm import RMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
@@ -42,13 +44,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                          self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads,
+                                          bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        """This rank's query and KV heads (all of them at world size 1)."""
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary
@@ -96,6 +100,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage computes: no weights, never called."""
+
+
 def sliding_window_for_layer(config, layer_idx: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
@@ -125,16 +133,28 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         rotary = RotaryEmbedding(config, self.rotary_dim(config), max_model_len, dtype)
         self.rotary_emb = rotary
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # Pipeline parallelism: this stage builds layers [start_layer, end_layer) (the others are
+        # weightless placeholders, so parameter names keep the checkpoint's layer indices), the
+        # first stage the embedding, the last the final norm and LM head.
+        pp = get_pp_group()
+        self.start_layer, num_local = split_evenly(config.num_hidden_layers, pp.world_size, pp.rank_in_group)
+        self.end_layer = self.start_layer + num_local
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) \
+            if self.is_first_stage or (tied and self.is_last_stage) else None
         qkv_bias, o_bias = self.attention_biases(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, max_model_len, dtype, qkv_bias, o_bias, self.qk_norm, rotary,
                               mlp=self.build_mlp(config, i), self_attn=self.build_attention(config, i, max_model_len))
+            if self.start_layer <= i < self.end_layer else OtherStageLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size) if self.is_last_stage else None
+        if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed_tokens)
+        if pp.world_size > 1:
+            self.cuda_graph_safe = False  # a stage's input may be the previous stage's activations
 
     # ---- hooks for the decoders built on this one ------------------------------------------
     def attention_biases(self, config) -> tuple[bool, bool]:
@@ -174,27 +194,47 @@ class LlamaForCausalLM(nn.Module):
         return shards_of
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        """This stage's attention layers, in order."""
+        return [layer.self_attn.attn for layer in self.layers[self.start_layer:self.end_layer]]
+
+    def holds_checkpoint_tensor(self, name: str) -> bool:
+        """Whether this pipeline stage has a parameter for checkpoint tensor `name` (no "model.")."""
+        if name.startswith("layers."):
+            index = int(name.split(".", 2)[1])
+            return self.start_layer <= index < self.end_layer or index >= len(self.layers)  # past: MTP layers
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        if name.startswith(("norm.", "lm_head.")):
+            return self.is_last_stage
+        return True
 
     aux_hidden_state_layers: tuple[int, ...] = ()
     """Layers whose input (the residual stream after the layer before) a forward pass keeps in
     `aux_hidden_states`: the features an EAGLE-3 draft head reads."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                num_layers: int | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions (T,) -> hidden states (T, hidden_size). `num_layers` runs only the
-        first layers, then the final norm (self-speculation drafts through an early exit)."""
-        hidden_states = self.embed_tokens(input_ids)
+        first layers, then the final norm (self-speculation drafts through an early exit).
+        Pipeline stages: a stage after the first starts from the previous one's `intermediate`
+        (hidden states, residual), and a stage before the last returns its own instead."""
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions)
-        residual = None
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        end = self.end_layer if num_layers is None else num_layers
         aux: list[torch.Tensor] = []
-        for i, layer in enumerate(layers):
+        for i in range(self.start_layer, end):
             if i in self.aux_hidden_state_layers:
                 aux.append(hidden_states if residual is None else hidden_states + residual)
-            hidden_states, residual = layer(cos_sin, hidden_states, residual, metadata)
+            hidden_states, residual = self.layers[i](cos_sin, hidden_states, residual, metadata)
         if self.aux_hidden_state_layers:
             self.aux_hidden_states = aux
+        if not self.is_last_stage:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -211,9 +251,10 @@ class LlamaForCausalLM(nn.Module):
         quant_config = getattr(self, "quant_config", None)  # set by prepare_quantization
         for name, tensor in weights:
             name = self.checkpoint_name(name.removeprefix("model."))
-            if name is None or "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            if name is None or "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight") \
+                    or not self.holds_checkpoint_tensor(name):
                 continue
-            if load_checkpoint_kv_scale(self, name, tensor):
+            if load_checkpoint_kv_scale(self, name, tensor):  # reads a lazy tensor only when it is one
                 continue
             target, shard_id = name, None
             expert = self.expert_shard(name)
@@ -224,13 +265,16 @@ class LlamaForCausalLM(nn.Module):
                     if f".{ckpt_name}." in name:
                         target, shard_id = name.replace(ckpt_name, fused), shard
                         break
-            if target not in params:
+            param = params.get(target)
+            if param is None or not getattr(param, "reads_slices", False):
+                tensor = materialize(tensor)  # a lazy checkpoint tensor, for a loader that takes it whole
+            if param is None:
                 if quant_config is not None and quant_config.skip_checkpoint_tensor(name, tensor):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                                  f"{type(self).__name__}")
-            param = params[target]
-            tensor = tensor.to(param.dtype)
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(param.dtype)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded_shards.setdefault(target, set()).add(shard_id)
         return {name for name, shards in loaded_shards.items() if shards >= self.required_shards(name)}

@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 from kvtide.layers.quantization import finish_quantization, prepare_quantization
 from kvtide.layers.quantization.base import QuantizationConfig
+from kvtide.distributed import get_tp_group
 from kvtide.models.gguf_checkpoint import prepared_weights
+from kvtide.models.lazy_tensor import LazyTensor
 from kvtide.models.registry import get_model_class
 
 
@@ -43,10 +45,11 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str, quant_config: QuantizationConfig | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str, quant_config: QuantizationConfig | None = None, lazy: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """(checkpoint name, tensor) pairs; a GGUF kept quantized (`quant_config` gguf) yields its
-    tensors' codes, scales and mins instead of float weights."""
+    tensors' codes, scales and mins instead of float weights. `lazy`: safetensors tensors come as
+    LazyTensors, read only where a weight loader narrows them (a tensor-parallel rank's slice)."""
     kept = quant_config.tensor_formats if quant_config is not None and quant_config.name == "gguf" else None
     gguf_weights = prepared_weights(model_dir, kept)
     if gguf_weights is not None:
@@ -56,7 +59,7 @@ def iterate_weights(model_dir: str, quant_config: QuantizationConfig | None = No
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
         except Exception as e:  # corrupt or truncated file
             raise ValueError(f"cannot read weights from {path} ({e}): the file is corrupt or truncated; "
                              f"download or convert the checkpoint again") from e
@@ -72,7 +75,7 @@ def load_model(model_dir: str, hf_config, dtype: torch.dtype, max_model_len: int
         model = model_cls(hf_config, max_model_len, dtype)
         if quant_config is not None:
             prepare_quantization(model, quant_config)
-    loaded = model.load_weights(iterate_weights(model_dir, quant_config))
+    loaded = model.load_weights(iterate_weights(model_dir, quant_config, lazy=get_tp_group().world_size > 1))
     expected = {name for name, p in model.named_parameters() if not getattr(p, "optional", False)}
     missing = expected - loaded
     if missing:

@@ -15,6 +15,7 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
+from kvtide.distributed import get_layout, get_pp_group, get_world_group
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
@@ -199,7 +200,10 @@ class ModelRunner:
             drafts = so.grammar.check_drafts(drafts, keep=self.spec.sampled_draft_ids(drafts))
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
-        hidden = run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = self._forward(inputs)
+        if hidden is None:  # a pipeline stage before the last: that one samples and shares the tokens
+            receive_sampled_tokens([self.requests[inputs.order[i]] for i in inputs.sample_rows], appended=False)
+            return ModelRunnerOutput(sampled_token_ids={})
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
         if mass is not None:
             output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
@@ -227,7 +231,29 @@ class ModelRunner:
                 output.sampled_token_ids[state.request_id] = token
                 if sampled.logprobs[row] is not None:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
+            receive_sampled_tokens(states, appended=True)
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's forward pass. Under pipeline parallelism a stage after the first receives the
+        previous stage's (hidden states, residual) and a stage before the last sends its own on and
+        returns None; tensor-parallel ranks of one stage send and receive alike (their activations
+        are identical after each all-reduce)."""
+        pp = get_pp_group()
+        if pp.world_size == 1:
+            return run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
+        intermediate = None
+        if not pp.is_first_rank:
+            hidden_size = self.config.model_config.hf_config.hidden_size
+            received = torch.empty(2, inputs.input_ids.shape[0], hidden_size, dtype=self.config.model_config.dtype,
+                                   device=self.device)
+            pp.recv(received, pp.rank_in_group - 1)
+            intermediate = (received[0], received[1])
+        out = self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate=intermediate)
+        if pp.is_last_rank:
+            return out
+        pp.send(torch.stack(out), pp.rank_in_group + 1)
+        return None
 
     def take_expert_load(self) -> dict | None:
         """Assignments each expert of each sparse layer took since the last call, and those the
@@ -311,6 +337,28 @@ class ModelRunner:
             for j, pos in enumerate(range(start, end)):
                 entries.append(compute_top_logprobs(logprobs[j], state.token_ids[pos + 1], k))
             output.prompt_logprobs[req_id] = entries
+
+
+def receive_sampled_tokens(states: list[CachedRequestState], appended: bool) -> None:
+    """Make every rank's copy of the requests hold the tokens the output rank (the last pipeline
+    stage's first tensor-parallel rank) sampled: it broadcasts them, the others append them
+    (`appended` False: they sampled nothing) or overwrite their own last token with them (ranks
+    that sampled too, from the same all-gathered logits; only the output rank applies a grammar's
+    mask, so theirs may differ). A no-op at world size 1."""
+    world = get_world_group()
+    if world.world_size == 1 or not states:
+        return
+    layout = get_layout()
+    src = (layout.pipeline_parallel_size - 1) * layout.tensor_parallel_size
+    tokens = torch.tensor([s.token_ids[-1] if appended else 0 for s in states], dtype=torch.int64)
+    world.broadcast(tokens, src)
+    if world.rank_in_group == src:
+        return
+    for state, token in zip(states, tokens.tolist(), strict=True):
+        if appended:
+            state.token_ids[-1] = token
+        else:
+            state.token_ids.append(token)
 
 
 def has_own_cache_layout(attn) -> bool:

@@ -1,0 +1,168 @@
+"""The multiprocess executor: one replica of tensor_parallel_size x pipeline_parallel_size ranks on
+this node. Rank 0 runs in the engine core's own process (it applies structured output's grammar,
+which lives there); ranks 1.. are spawned worker processes (worker.py). Each step the scheduler's
+output goes to every worker as msgpack over ZMQ, every rank runs the same step (collectives in
+the same order), and the output rank's ModelRunnerOutput comes back: rank 0's own under tensor
+parallelism, the last stage's over ZMQ under pipeline parallelism.
+
+A worker that dies is noticed within a second (its process is polled while the executor waits,
+and the ranks blocked in a collective with it see their connection reset): the step raises, and
+the engine reports itself dead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+import zmq
+
+from kvtide.config import EngineConfig
+from kvtide.distributed import COMM_STATS, destroy_distributed
+from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.worker import wire
+from kvtide.worker.worker import free_port, init_rank, output_rank, threads_per_rank
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+"""How long the workers may take to load their shards and answer."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank of the replica exited or reported an error; the replica cannot go on."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str, engine_args: dict[str, Any]) -> None:
+        """`engine_args`: the EngineArgs `config` came from, as a dict (workers rebuild it)."""
+        from kvtide.worker.model_runner import ModelRunner
+
+        self.config = config
+        world = config.parallel_config.world_size
+        self.output_rank = output_rank(config)
+        self._threads_before = torch.get_num_threads()
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._ctx = zmq.Context()
+        base = os.path.join(tempfile.gettempdir(), f"kvtide-workers-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._inboxes: list[zmq.Socket] = []
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._outbox.bind(f"ipc://{base}-out")
+        self.workers: list[subprocess.Popen] = []
+        args_json = json.dumps(engine_args)
+        for rank in range(1, world):
+            inbox = self._ctx.socket(zmq.PUSH)
+            inbox.bind(f"ipc://{base}-in{rank}")
+            self._inboxes.append(inbox)
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "kvtide.worker.worker", "--engine-args", args_json, "--model-dir", model_dir,
+                 "--rank", str(rank), "--init-method", init_method, "--input", f"ipc://{base}-in{rank}",
+                 "--output", f"ipc://{base}-out", "--parent-pid", str(os.getpid())]))
+        try:
+            init_rank(config, 0, init_method)
+            self.runner = ModelRunner(config, model_dir)
+            readies = self._gather("ready", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._kv_bytes_per_block = max([self.runner.kv_bytes_per_block()] + [r[2] for r in readies])
+        """The largest rank's bytes per block (pipeline stages differ): each rank's pool of the
+        shared block count then fits the per-rank budget."""
+        self.weight_bytes_per_rank = [self.runner.weight_bytes] + [r[3] for r in sorted(readies, key=lambda r: r[1])]
+        logger.info("replica of %d ranks (tp=%d, pp=%d); weights per rank: %s MiB", world,
+                    config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size,
+                    ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes_per_rank))
+
+    # ---- the executor contract ------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self._kv_bytes_per_block
+
+    def profile_peak_activation_bytes(self, memory_stats=None) -> int:
+        from kvtide.worker.memory_profile import profile_peak_activation_bytes
+
+        self._broadcast(["profile"])
+        own = profile_peak_activation_bytes(self.runner, self.config, memory_stats)
+        return max([own] + [r[2] for r in self._gather("profiled", STARTUP_TIMEOUT_S)])
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(["init_kv", num_blocks])
+        self.runner.initialize_kv_cache(num_blocks)
+        self._gather("kv_ready", STARTUP_TIMEOUT_S)
+
+    def init_worker_thread(self) -> None:
+        """A new thread starts with torch's default thread count, not this rank's."""
+        torch.set_num_threads(threads_per_rank(self.config))
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
+        try:
+            output = self.runner.execute(scheduler_output)
+        except RuntimeError as e:  # a collective whose peer vanished
+            self._check_workers()
+            raise WorkerDiedError(f"a collective failed: {e}") from e
+        if self.output_rank == 0:
+            return output
+        return wire.runner_output_from_wire(self._gather("output", None)[0][2])
+
+    def comm_stats(self) -> dict[int, dict[str, dict[str, float]]]:
+        """Every rank's collective counts, bytes and seconds so far (rank -> kind -> figures)."""
+        self._broadcast(["comm_stats"])
+        stats = {0: COMM_STATS.snapshot()}
+        stats.update({r[1]: r[2] for r in self._gather("comm_stats", 60.0)})
+        return stats
+
+    def shutdown(self) -> None:
+        for inbox in self._inboxes:
+            try:
+                inbox.send(wire.encode(["shutdown"]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.workers = []
+        self._ctx.destroy(linger=0)
+        destroy_distributed()
+        torch.set_num_threads(self._threads_before)
+
+    # ---- messages -----------------------------------------------------------------------------------
+    def _broadcast(self, message: list[Any]) -> None:
+        data = wire.encode(message)
+        for inbox in self._inboxes:
+            inbox.send(data)
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.workers, start=1):
+            if proc.poll() is not None:
+                raise WorkerDiedError(f"worker rank {rank} exited (code {proc.returncode})")
+
+    def _gather(self, kind: str, timeout_s: float | None) -> list[list[Any]]:
+        """The `kind` replies: one from every worker, or for "output" the output rank's; raises if a
+        worker reports an error, dies, or (with a timeout) stays silent."""
+        expected = 1 if kind == "output" else len(self.workers)
+        replies: list[list[Any]] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(replies) < expected:
+            if self._outbox.poll(200):
+                message = wire.decode(self._outbox.recv())
+                if message[0] == "error":
+                    raise WorkerDiedError(f"worker rank {message[1]} failed:\n{message[2]}")
+                if message[0] != kind:
+                    raise WorkerDiedError(f"expected {kind!r} from the workers, got {message[0]!r}")
+                replies.append(message)
+                continue
+            self._check_workers()
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerDiedError(f"the workers sent no {kind!r} within {timeout_s:.0f} s")
+        return replies

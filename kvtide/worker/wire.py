@@ -1,0 +1,62 @@
+"""SchedulerOutput and ModelRunnerOutput as msgpack (msgspec) for the worker ranks of a replica:
+builtins only on the wire, so no rank ever unpickles bytes it received.
+
+A structured-output step's grammar (matchers living in the engine core) does not cross: the rank
+in the engine-core process applies it, and the other ranks take its sampled tokens
+(model_runner.receive_sampled_tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from kvtide.engine.serialization import params_from_wire, params_to_wire
+from kvtide.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+_encoder = msgspec.msgpack.Encoder()
+_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(message: list[Any]) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> list[Any]:
+    message = _decoder.decode(data)
+    if not isinstance(message, list) or not message or not isinstance(message[0], str):
+        raise ValueError(f"malformed worker message: {message!r:.200}")
+    return message
+
+
+def scheduler_output_to_wire(so: SchedulerOutput) -> dict[str, Any]:
+    wire = {f.name: getattr(so, f.name) for f in dataclasses.fields(so) if f.name != "grammar"}
+    wire["scheduled_new_reqs"] = [{**dataclasses.asdict(dataclasses.replace(r, sampling_params=None)),
+                                   "sampling_params": params_to_wire(r.sampling_params)}
+                                  for r in so.scheduled_new_reqs]
+    wire["scheduled_cached_reqs"] = [dataclasses.asdict(c) for c in so.scheduled_cached_reqs]
+    wire["finished_req_ids"] = sorted(so.finished_req_ids)
+    wire["sampling_req_ids"] = sorted(so.sampling_req_ids)
+    return wire
+
+
+def scheduler_output_from_wire(wire: dict[str, Any]) -> SchedulerOutput:
+    fields = dict(wire)
+    fields["scheduled_new_reqs"] = [NewRequestData(**{**r, "sampling_params": params_from_wire(r["sampling_params"])})
+                                    for r in wire["scheduled_new_reqs"]]
+    fields["scheduled_cached_reqs"] = [CachedRequestData(**c) for c in wire["scheduled_cached_reqs"]]
+    fields["finished_req_ids"] = set(wire["finished_req_ids"])
+    fields["sampling_req_ids"] = set(wire["sampling_req_ids"])
+    fields["block_copies"] = [tuple(pair) for pair in wire["block_copies"]]
+    return SchedulerOutput(**fields)
+
+
+def runner_output_to_wire(output: ModelRunnerOutput) -> bytes:
+    return _encoder.encode(output)
+
+
+def runner_output_from_wire(data: bytes) -> ModelRunnerOutput:
+    return _output_decoder.decode(data)
