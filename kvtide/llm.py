@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +22,21 @@ class LLM:
 
     def __init__(self, model: str = "demo", **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.engine_args.data_parallel_size} is for serving only "
+                             f"(kvtide serve MODEL --data-parallel-size N): the offline LLM runs one engine in "
+                             f"this process. For offline data parallelism run one LLM per process, each on "
+                             f"its share of the prompts")
         core, info = build_engine_core(self.engine_args)
         self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
         self.model_info = info
         self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        self._finalizer = weakref.finalize(self, core.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine (a replica of several ranks: its worker processes and process group).
+        Also runs when the LLM is garbage collected or the interpreter exits."""
+        self._finalizer()
 
     def get_tokenizer(self):
         return self.tokenizer

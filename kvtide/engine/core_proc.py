@@ -1,6 +1,7 @@
 """The engine-core process: an EngineCore driven by messages from the API process over ZMQ.
 
     python -m kvtide.engine.core_proc --input ADDR --output ADDR --parent-pid PID --engine-args JSON
+        [--dp-rank R --cpu-affinity 0,1 --cpu-threads 2]    (a data-parallel replica, dp_client.py)
 
 The loop:
     1. take every message waiting on the input socket (block only when no request is unfinished),
@@ -159,7 +160,7 @@ class EngineCoreProc:
 
 
 # ---- process entry -------------------------------------------------------------------------------
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphan engine holding memory)."""
     if not sys.platform.startswith("linux"):
         return
@@ -171,6 +172,22 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         pass
+
+
+def set_cpu_share(cpu_affinity: str | None, cpu_threads: int | None) -> None:
+    """Pin this process to its cores and size torch's thread pool, before any model code runs: a
+    data-parallel replica keeps to its share of the machine instead of every replica running one
+    thread per core of the whole node. Worker threads started later (async scheduling) inherit both."""
+    if cpu_affinity and hasattr(os, "sched_setaffinity"):
+        cpus = {int(c) for c in cpu_affinity.split(",") if c.strip()}
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            logger.warning("cannot pin the engine core to CPUs %s (%s); it runs unpinned", cpu_affinity, e)
+    if cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, cpu_threads))
 
 
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> int:
@@ -195,6 +212,8 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
             logger.exception("engine core failed to start")
             output_socket.send(serialization.encode(["startup_error", f"{type(e).__name__}: {e}"]))
             return 1
+        if hasattr(core.executor, "on_worker_death"):  # a rank of the replica died: so does the engine
+            core.executor.on_worker_death = lambda reason: os._exit(1)
         cache = core.config.cache_config
         ready = dict(dataclasses.asdict(info), num_blocks=cache.num_blocks, block_size=cache.block_size,
                      pid=os.getpid())
@@ -222,16 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="ZMQ address outputs are pushed to")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs fields as a JSON object")
+    parser.add_argument("--dp-rank", type=int, default=None, help="data-parallel replica index (log lines)")
+    parser.add_argument("--cpu-affinity", default=None, help="CPUs this process may run on, e.g. 0,1")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C in a terminal, `timeout`, `docker stop` signal the whole process group: the API
     # process drains first and then stops us. Without a parent, a signal ends us at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == args.parent_pid else sys.exit(0))
+    tag = "engine-core" if args.dp_rank is None else f"engine-core DP{args.dp_rank}"
     logging.basicConfig(level=os.environ.get("KVTIDE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     if os.getppid() != args.parent_pid:
         return 1
+    set_cpu_share(args.cpu_affinity, args.cpu_threads)
     return run_engine_core(json.loads(args.engine_args), args.input, args.output, args.parent_pid)
 
 

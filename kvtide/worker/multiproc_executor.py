@@ -18,8 +18,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +68,14 @@ class MultiprocExecutor:
                 [sys.executable, "-m", "kvtide.worker.worker", "--engine-args", args_json, "--model-dir", model_dir,
                  "--rank", str(rank), "--init-method", init_method, "--input", f"ipc://{base}-in{rank}",
                  "--output", f"ipc://{base}-out", "--parent-pid", str(os.getpid())]))
+        self._threads = threads_per_rank(config)
+        self._affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.dead: str | None = None
+        """Why the replica cannot go on (a worker died), or None."""
+        self.on_worker_death: Callable[[str], None] | None = None
+        """Called from the monitor thread when a worker dies (the engine-core process exits, so the
+        API side reports the engine dead at once, even while idle); None: the next step raises."""
+        self._closing = threading.Event()
         try:
             init_rank(config, 0, init_method)
             self.runner = ModelRunner(config, model_dir)
@@ -73,6 +83,7 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        threading.Thread(target=self._monitor, name="kvtide-worker-monitor", daemon=True).start()
         self._kv_bytes_per_block = max([self.runner.kv_bytes_per_block()] + [r[2] for r in readies])
         """The largest rank's bytes per block (pipeline stages differ): each rank's pool of the
         shared block count then fits the per-rank budget."""
@@ -99,9 +110,11 @@ class MultiprocExecutor:
 
     def init_worker_thread(self) -> None:
         """A new thread starts with torch's default thread count, not this rank's."""
-        torch.set_num_threads(threads_per_rank(self.config))
+        torch.set_num_threads(self._threads)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
         self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
         try:
             output = self.runner.execute(scheduler_output)
@@ -120,6 +133,7 @@ class MultiprocExecutor:
         return stats
 
     def shutdown(self) -> None:
+        self._closing.set()
         for inbox in self._inboxes:
             try:
                 inbox.send(wire.encode(["shutdown"]), zmq.NOBLOCK)
@@ -135,6 +149,22 @@ class MultiprocExecutor:
         self._ctx.destroy(linger=0)
         destroy_distributed()
         torch.set_num_threads(self._threads_before)
+        if self._affinity_before is not None:
+            os.sched_setaffinity(0, self._affinity_before)
+
+    def _monitor(self) -> None:
+        """Poll the workers twice a second; the first one found exited marks the replica dead."""
+        while not self._closing.wait(0.5):
+            try:
+                self._check_workers()
+            except WorkerDiedError as e:
+                if self._closing.is_set():
+                    return
+                self.dead = str(e)
+                logger.error("%s; the engine cannot go on", e)
+                if self.on_worker_death is not None:
+                    self.on_worker_death(self.dead)
+                return
 
     # ---- messages -----------------------------------------------------------------------------------
     def _broadcast(self, message: list[Any]) -> None:

@@ -53,9 +53,15 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def init_rank(config: EngineConfig, rank: int, init_method: str) -> None:
-    """Threads, device and process group of one rank (world size 1: threads only)."""
+    """Cores or device, then the process group, of one rank. On CPU each rank runs its share of
+    the threads, pinned to its own cores of this process's CPU set when there are enough of them
+    (rank r: cores [r*t, (r+1)*t)), so ranks do not contend for the same cores."""
     if config.device_config.device == "cpu":
-        torch.set_num_threads(threads_per_rank(config))
+        threads = threads_per_rank(config)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(cpus) >= config.parallel_config.world_size * threads:
+            os.sched_setaffinity(0, cpus[rank * threads:(rank + 1) * threads])
+        torch.set_num_threads(threads)
     else:
         torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
     backend = "nccl" if config.device_config.device == "cuda" else "gloo"
@@ -112,6 +118,9 @@ def run_worker_process(engine_args: dict[str, Any], model_dir: str, rank: int, i
     It exits when told, when its parent is gone, or after reporting an error."""
     import zmq
 
+    from kvtide.engine.core_proc import die_with_parent
+
+    die_with_parent()  # never outlive the engine, even while blocked in a collective
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
