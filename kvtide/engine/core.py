@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -67,7 +68,13 @@ class EngineCore:
         self.beam_search = BeamSearch(self.scheduler)
         self.num_steps = 0
         self._worker: ThreadPoolExecutor | None = None
-        if config.scheduler_config.async_scheduling:
+        self._pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self._batch_queue: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] | None = None
+        """Pipeline parallelism: micro-batches in flight, oldest first (at most one per stage)."""
+        if self._pipeline_depth > 1:
+            self._batch_queue = deque()
+            self.scheduler.pipeline_depth = self._pipeline_depth
+        elif config.scheduler_config.async_scheduling:
             self._worker = ThreadPoolExecutor(1, "kvtide-step",
                                               initializer=getattr(executor, "init_worker_thread", None))
         self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
@@ -100,9 +107,11 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._batch_queue is not None:
+            return self._step_pipelined(self._batch_queue)
         if self._worker is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
@@ -118,6 +127,23 @@ class EngineCore:
         scheduler_output, future = self._pending
         self._pending = ahead
         return self._process(scheduler_output, future.result())
+
+    def _step_pipelined(self, queue: deque) -> list[EngineCoreOutput]:
+        """Keep up to one micro-batch per pipeline stage in flight: launch (the first stage runs in
+        this process, then hands on) until the stages are full or nothing more can run, then take
+        the oldest batch's output. The scheduler leaves requests with a token in flight out, so the
+        batches in flight hold disjoint sampling requests; the bubble is (stages - 1) / batches."""
+        launch = getattr(self.executor, "execute_async", None) or (lambda so: (lambda out=self.executor.execute(so): out))
+        while len(queue) < self._pipeline_depth and self.scheduler.has_unfinished_requests() \
+                and (not queue or self._can_schedule_ahead()):
+            scheduler_output = self._schedule()
+            queue.append((scheduler_output, launch(scheduler_output)))
+            if scheduler_output.is_empty:
+                break
+        if not queue:
+            return []
+        scheduler_output, result = queue.popleft()
+        return self._process(scheduler_output, result())
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

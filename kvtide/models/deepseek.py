@@ -145,7 +145,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return expert_shard(name, DEEPSEEK_EXPERT_PROJS)
 
     def required_shards(self, param_name: str) -> set[object]:
-        shards = required_expert_shards(param_name, self.num_routed_experts(self.config))
+        shards = required_expert_shards(param_name, self)
         return shards if shards is not None else super().required_shards(param_name)
 
 

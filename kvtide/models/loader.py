@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from kvtide.distributed import get_tp_group
 from kvtide.layers.quantization import finish_quantization, prepare_quantization
 from kvtide.layers.quantization.base import QuantizationConfig
-from kvtide.distributed import get_tp_group
 from kvtide.models.gguf_checkpoint import prepared_weights
 from kvtide.models.lazy_tensor import LazyTensor
 from kvtide.models.registry import get_model_class

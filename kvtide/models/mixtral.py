@@ -16,6 +16,8 @@ class MixtralForCausalLM(MistralForCausalLM):
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                            config.intermediate_size, renormalize=True)
+        if experts.dispatcher is not None:
+            self.cuda_graph_safe = False  # expert parallelism's dispatch reads its row counts on the host
         return SparseMoeBlock(experts, config.hidden_size)
 
     def checkpoint_name(self, name: str) -> str | None:
@@ -25,5 +27,5 @@ class MixtralForCausalLM(MistralForCausalLM):
         return expert_shard(name, MIXTRAL_EXPERT_PROJS)
 
     def required_shards(self, param_name: str) -> set[object]:
-        shards = required_expert_shards(param_name, self.config.num_local_experts)
+        shards = required_expert_shards(param_name, self)
         return shards if shards is not None else super().required_shards(param_name)

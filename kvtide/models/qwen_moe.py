@@ -33,6 +33,8 @@ class _QwenMoeMixin:
         experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                            config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                            weights_in_logits_dtype=True)
+        if experts.dispatcher is not None:
+            self.cuda_graph_safe = False  # expert parallelism's dispatch reads its row counts on the host
         shared = None
         if self.shared_expert and config.shared_expert_intermediate_size:
             shared = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size)
@@ -42,7 +44,7 @@ class _QwenMoeMixin:
         return expert_shard(name, QWEN_EXPERT_PROJS)
 
     def required_shards(self, param_name: str) -> set[object]:
-        shards = required_expert_shards(param_name, self.config.num_experts)
+        shards = required_expert_shards(param_name, self)
         return shards if shards is not None else super().required_shards(param_name)  # type: ignore[misc]
 
 

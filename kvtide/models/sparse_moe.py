@@ -33,13 +33,19 @@ def expert_shard(name: str, proj_names: dict[str, str]) -> tuple[str, object] | 
     return f"{match['prefix']}.{param}", (int(match["expert"]), shard)
 
 
-def required_expert_shards(param_name: str, num_experts: int) -> set[object] | None:
-    """The shard ids that fill a stacked expert parameter, or None for any other parameter."""
+def required_expert_shards(param_name: str, model: nn.Module) -> set[object] | None:
+    """The shard ids that fill a stacked expert parameter of `model` on this rank, or None for any
+    other parameter. Under expert parallelism a rank holds (and needs) only its own experts'
+    shards, whichever others its loader was also handed."""
     if param_name.endswith(".experts.w13_weight"):
-        return {(e, w) for e in range(num_experts) for w in ("w1", "w3")}
-    if param_name.endswith(".experts.w2_weight"):
-        return {(e, "w2") for e in range(num_experts)}
-    return None
+        shards: tuple[str, ...] = ("w1", "w3")
+    elif param_name.endswith(".experts.w2_weight"):
+        shards = ("w2",)
+    else:
+        return None
+    experts = model.get_submodule(param_name.rpartition(".")[0])
+    assert isinstance(experts, FusedMoE), f"{param_name} does not belong to a FusedMoE"
+    return {(e, w) for e in experts.local_experts for w in shards}
 
 
 class RouterLinear(ReplicatedLinear):

@@ -38,6 +38,10 @@ class CachedRequestData:
     dropped_block_indices: list[int] = field(default_factory=list)
     """Indices into the request's block table of blocks the KV drop policy removed since the last
     step: the runner marks them -1, which no query attends."""
+    sampled_token_ids: list[int] = field(default_factory=list)
+    """Tokens sampled since this rank last saw the request by a rank that is not this one (the last
+    pipeline stage): appended before `new_token_ids`. Filled by the executor for the ranks of
+    earlier stages; empty for the rank that sampled them."""
 
 
 @dataclass

@@ -120,6 +120,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
+        self._step_cap = 0
+        self.pipeline_depth = 1
+        """Pipeline parallelism (> 1): a request whose sampled token is still in flight is not
+        scheduled again until it is reported (earlier stages cannot compute a step on a token they
+        lack), and a step takes about 1/depth of the requests, so that `depth` micro-batches keep
+        every stage busy."""
         self._finished_req_ids: set[str] = set()
         self._num_prompt_logprobs_sent: dict[str, int] = {}
         """request id -> prompt positions whose logprobs went out (a preempted request computes its
@@ -248,8 +254,12 @@ class Scheduler:
         remaining = list(self.running)
         num_drafts: dict[str, int] = {}
         speculates = self.spec_policy is not None and self.spec_policy.speculates(len(self.running))
-        while remaining and budget > 0:
+        self._step_cap = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
+        while remaining and budget > 0 and len(num_scheduled) < self._step_cap:
             request = remaining.pop(0)
+            if self.pipeline_depth > 1 and request.num_output_placeholders:
+                scheduled_running.append(request)  # its next input is the token still in flight
+                continue
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
             if num_new <= 0 or self._ends_by_length(request):
@@ -344,7 +354,8 @@ class Scheduler:
                           new_reqs: list[NewRequestData]) -> int:
         compiling: list[Request] = []
         """Requests whose grammar is still compiling: they keep their place in the queue."""
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and len(num_scheduled) < self._step_cap:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still to be reported
                 break

@@ -15,7 +15,7 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
-from kvtide.distributed import get_layout, get_pp_group, get_world_group
+from kvtide.distributed import get_pp_group, get_tp_group
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
@@ -82,6 +82,9 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(config.device_config.attention_backend, kv_quant)
         self.sampler = Sampler(mc.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.samples = get_pp_group().is_last_rank
+        """Whether this rank samples (the last pipeline stage); earlier stages take the sampled
+        tokens from the scheduler output (CachedRequestData.sampled_token_ids)."""
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
         """Caches in the attention backend's layout."""
@@ -201,8 +204,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
         hidden = self._forward(inputs)
-        if hidden is None:  # a pipeline stage before the last: that one samples and shares the tokens
-            receive_sampled_tokens([self.requests[inputs.order[i]] for i in inputs.sample_rows], appended=False)
+        if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
             return ModelRunnerOutput(sampled_token_ids={})
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
         if mass is not None:
@@ -231,7 +233,7 @@ class ModelRunner:
                 output.sampled_token_ids[state.request_id] = token
                 if sampled.logprobs[row] is not None:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
-            receive_sampled_tokens(states, appended=True)
+            receive_sampled_tokens(states)
         return output
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -311,6 +313,8 @@ class ModelRunner:
                 state.block_ids[index] = -1
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if not self.samples:
+                state.token_ids.extend(cached.sampled_token_ids)
             state.token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
@@ -339,26 +343,20 @@ class ModelRunner:
             output.prompt_logprobs[req_id] = entries
 
 
-def receive_sampled_tokens(states: list[CachedRequestState], appended: bool) -> None:
-    """Make every rank's copy of the requests hold the tokens the output rank (the last pipeline
-    stage's first tensor-parallel rank) sampled: it broadcasts them, the others append them
-    (`appended` False: they sampled nothing) or overwrite their own last token with them (ranks
-    that sampled too, from the same all-gathered logits; only the output rank applies a grammar's
-    mask, so theirs may differ). A no-op at world size 1."""
-    world = get_world_group()
-    if world.world_size == 1 or not states:
+def receive_sampled_tokens(states: list[CachedRequestState]) -> None:
+    """The tensor-parallel ranks of the sampling stage all sample from the same all-gathered
+    logits, but only the first applies structured output's masks (the grammar lives beside it):
+    it broadcasts its tokens and the others overwrite their last token with them. A no-op without
+    tensor parallelism. (Earlier pipeline stages get the tokens with the requests' next step:
+    CachedRequestData.sampled_token_ids.)"""
+    tp = get_tp_group()
+    if tp.world_size == 1 or not states:
         return
-    layout = get_layout()
-    src = (layout.pipeline_parallel_size - 1) * layout.tensor_parallel_size
-    tokens = torch.tensor([s.token_ids[-1] if appended else 0 for s in states], dtype=torch.int64)
-    world.broadcast(tokens, src)
-    if world.rank_in_group == src:
-        return
-    for state, token in zip(states, tokens.tolist(), strict=True):
-        if appended:
+    tokens = torch.tensor([s.token_ids[-1] for s in states], dtype=torch.int64)
+    tp.broadcast(tokens, 0)
+    if not tp.is_first_rank:
+        for state, token in zip(states, tokens.tolist(), strict=True):
             state.token_ids[-1] = token
-        else:
-            state.token_ids.append(token)
 
 
 def has_own_cache_layout(attn) -> bool:

@@ -12,6 +12,7 @@ the engine reports itself dead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -76,6 +77,7 @@ class MultiprocExecutor:
         """Called from the monitor thread when a worker dies (the engine-core process exits, so the
         API side reports the engine dead at once, even while idle); None: the next step raises."""
         self._closing = threading.Event()
+        self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
         try:
             init_rank(config, 0, init_method)
             self.runner = ModelRunner(config, model_dir)
@@ -113,8 +115,16 @@ class MultiprocExecutor:
         torch.set_num_threads(self._threads)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(scheduler_output)()
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send the step to every rank and run rank 0's part of it; returns the call that waits for
+        the step's output. Under pipeline parallelism rank 0 is the first stage: once it has passed
+        its activations on, the next micro-batch may start here while later stages work on this
+        one (outputs come back in launch order)."""
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
+        scheduler_output = self.tokens.attach(scheduler_output)
         self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
         try:
             output = self.runner.execute(scheduler_output)
@@ -122,8 +132,13 @@ class MultiprocExecutor:
             self._check_workers()
             raise WorkerDiedError(f"a collective failed: {e}") from e
         if self.output_rank == 0:
-            return output
-        return wire.runner_output_from_wire(self._gather("output", None)[0][2])
+            return lambda: output
+
+        def result() -> ModelRunnerOutput:
+            remote = wire.runner_output_from_wire(self._gather("output", None)[0][2])
+            self.tokens.record(remote)
+            return remote
+        return result
 
     def comm_stats(self) -> dict[int, dict[str, dict[str, float]]]:
         """Every rank's collective counts, bytes and seconds so far (rank -> kind -> figures)."""
@@ -196,3 +211,40 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError(f"the workers sent no {kind!r} within {timeout_s:.0f} s")
         return replies
+
+
+class SampledTokenRelay:
+    """Under pipeline parallelism only the last stage samples; the earlier stages (rank 0 among
+    them) learn each request's tokens from the request's next step (CachedRequestData.
+    sampled_token_ids), which this relay fills from the outputs it has seen. Tokens of a request
+    that is sent again in full (after preemption) or finished are dropped: the full copy has them."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._pending: dict[str, list[int]] = {}
+        self._live: set[str] = set()
+
+    def record(self, output: ModelRunnerOutput) -> None:
+        if not self.enabled:
+            return
+        for req_id, token in output.sampled_token_ids.items():
+            if req_id in self._live:
+                self._pending.setdefault(req_id, []).append(token)
+        for req_id in output.failed:  # the sampling stage appended a placeholder for it
+            if req_id in self._live:
+                self._pending.setdefault(req_id, []).append(0)
+
+    def attach(self, so: SchedulerOutput) -> SchedulerOutput:
+        if not self.enabled:
+            return so
+        for req_id in so.finished_req_ids:
+            self._live.discard(req_id)
+            self._pending.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self._live.add(new.request_id)
+            self._pending.pop(new.request_id, None)
+        if not self._pending:
+            return so
+        cached = [dataclasses.replace(c, sampled_token_ids=self._pending.pop(c.request_id))
+                  if c.request_id in self._pending else c for c in so.scheduled_cached_reqs]
+        return dataclasses.replace(so, scheduled_cached_reqs=cached)

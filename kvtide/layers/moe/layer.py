@@ -4,16 +4,23 @@
                                               │ expert_tokens += bincount(ids); capacity drops
     hidden (T, H) ──dispatch──▶ local experts (fused_experts, or the Triton kernel on CUDA) ──combine──▶ (T, H)
 
+Dispatch and combine are all-to-alls under expert parallelism (`--enable-expert-parallel`: the EP
+group, which is the TP group, splits whole experts; expert_parallel.py), nothing at one rank. Routing,
+the load counters and the capacity cap are global and computed alike on every rank.
+
 The router linear and any shared experts belong to the model (they differ between architectures:
 Qwen2-MoE gates its shared expert with a sigmoid, DeepSeek adds n_shared_experts plainly).
 
 Weights, in transformers' fused layout (HF 5.x `experts.gate_up_proj` / `down_proj`):
 
-    w13_weight (E, 2I, H)   rows [0, I): expert e's gate_proj / w1, rows [I, 2I): its up_proj / w3
-    w2_weight  (E, H, I)    expert e's down_proj / w2
+    w13_weight (E_local, 2I, H)   rows [0, I): expert e's gate_proj / w1, rows [I, 2I): its up_proj / w3
+    w2_weight  (E_local, H, I)    expert e's down_proj / w2
 
-A checkpoint's per-expert tensors load through `param.weight_loader(param, tensor, shard_id)`
-with shard_id (e, "w1"), (e, "w3") or (e, "w2"); None loads a whole stacked tensor.
+E_local is E at one rank; under expert parallelism the experts this rank holds (`local_experts`,
+from the `ExpertPlacement`, placement.py), slot s holding expert local_experts[s]. A checkpoint's
+per-expert tensors load through `param.weight_loader(param, tensor, shard_id)` with shard_id
+(e, "w1"), (e, "w3") or (e, "w2") and global e (another rank's expert: ignored, its lazily read
+tensor never read); None loads a whole stacked (E, ...) tensor, this rank's experts taken from it.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvtide.distributed import get_ep_group, get_layout
 from kvtide.layers.linear import default_weight_loader
+from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
 from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
+from kvtide.layers.moe.placement import ExpertPlacement
 from kvtide.layers.moe.routing import select_experts
 
 EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
@@ -50,6 +60,12 @@ class FusedMoE(nn.Module):
     `capacity_factor` (None: no limit) caps each expert at ceil(capacity_factor * T * top_k / E)
     assignments per forward; the later tokens' assignments beyond it are dropped (fused_moe.py).
 
+    Expert parallelism is taken from the process groups at construction: with
+    `enable_expert_parallel` and an EP group of n > 1 ranks, this rank allocates and loads only the
+    experts `placement` gives it (default: contiguous blocks of E / n; E not divisible by n is a
+    ValueError) and exchanges tokens with the others in every forward (`dispatcher`). `num_experts`
+    stays the global E: routing and the counters below are identical on every rank.
+
     Expert load, for balancing and capacity planning: the buffers `expert_tokens` (E,) (the
     assignments routed to each expert, counted before capacity drops) and `dropped_tokens` (E,) grow
     every forward while `count_load` is True; `take_expert_load()` reads and zeroes them."""
@@ -59,7 +75,7 @@ class FusedMoE(nn.Module):
                  num_expert_group: int | None = None, topk_group: int | None = None,
                  group_score: str = "max", use_score_correction_bias: bool = False,
                  routed_scaling_factor: float = 1.0, capacity_factor: float | None = None,
-                 weights_in_logits_dtype: bool = False) -> None:
+                 weights_in_logits_dtype: bool = False, placement: ExpertPlacement | None = None) -> None:
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None; got {capacity_factor}")
@@ -75,15 +91,32 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.capacity_factor = capacity_factor
         self.weights_in_logits_dtype = weights_in_logits_dtype
-        self.local_experts = range(num_experts)
-        """The experts this rank computes: all of them until expert parallelism splits them."""
 
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+        ep_group = get_ep_group()
+        expert_parallel = get_layout().enable_expert_parallel and ep_group.world_size > 1
+        self.ep_size = ep_group.world_size if expert_parallel else 1
+        self.ep_rank = ep_group.rank_in_group if expert_parallel else 0
+        if placement is None:
+            placement = ExpertPlacement.contiguous(num_experts, self.ep_size)
+        elif placement.num_experts != num_experts or placement.ep_size != self.ep_size:
+            raise ValueError(f"the expert placement is for {placement.num_experts} experts on "
+                             f"{placement.ep_size} ranks; this layer has {num_experts} experts on {self.ep_size}")
+        self.placement = placement
+        self.local_experts: list[int] = placement.local_experts(self.ep_rank)
+        """The global ids of the experts this rank computes, by weight slot: all of them at one rank."""
+        self.local_num_experts = len(self.local_experts)
+        self._slot_of = {expert: slot for slot, expert in enumerate(self.local_experts)}
+        self.dispatcher = AllToAllDispatcher(ep_group, placement) if expert_parallel else None
+        """The token exchange of expert parallelism; None at one rank."""
+        self._dispatched: Dispatched | None = None
+
+        local = self.local_num_experts
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
-                                      requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            param.reads_slices = True  # type: ignore[attr-defined]  # other ranks' experts stay unread
         if use_score_correction_bias:
             # float32 whatever the model dtype, as HF's DeepseekV3TopkRouter buffer
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
@@ -102,10 +135,20 @@ class FusedMoE(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------------
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copy a checkpoint tensor into `param`: one expert's w1 / w3 / w2 (shard_id (e, name)),
-        or the whole parameter (None). Shapes must match exactly: ValueError names both."""
+        """Copy a checkpoint tensor into `param`: one expert's w1 / w3 / w2 (shard_id (e, name), e
+        global; another rank's expert is checked and skipped), or the whole parameter (None).
+        Shapes must match exactly: ValueError names both. `loaded` may be a lazily read tensor."""
+        stacked = param is self.w13_weight or param is self.w2_weight
         if shard_id is None:
-            default_weight_loader(param, loaded)
+            if stacked and self.ep_size > 1:
+                expected = (self.num_experts, *param.shape[1:])
+                if tuple(loaded.shape) != expected:
+                    raise ValueError(f"weight shape mismatch: parameter {expected} vs checkpoint "
+                                     f"{tuple(loaded.shape)}")
+                rows = [_materialize(loaded.narrow(0, e, 1)) for e in self.local_experts]
+                param.data.copy_(torch.cat(rows))
+                return
+            default_weight_loader(param, _materialize(loaded))
             return
         name = next((n for n, p in (("w13_weight", self.w13_weight), ("w2_weight", self.w2_weight))
                      if p is param), None)
@@ -117,19 +160,31 @@ class FusedMoE(nn.Module):
         expert, shard = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert_id {expert} is out of range for {self.num_experts} experts")
-        target = param.data[expert]  # (2I, H) or (H, I)
+        rows = self.intermediate_size if name == "w13_weight" else self.hidden_size
+        cols = self.hidden_size if name == "w13_weight" else self.intermediate_size
+        if tuple(loaded.shape) != (rows, cols):
+            raise ValueError(f"{name} shard {shard_id!r}: expected shape {(rows, cols)}, got "
+                             f"{tuple(loaded.shape)}")
+        slot = self._slot_of.get(expert)
+        if slot is None:
+            return  # held by another rank of the EP group
+        target = param.data[slot]  # (2I, H) or (H, I)
         if shard == "w1":
             target = target[: self.intermediate_size]
         elif shard == "w3":
             target = target[self.intermediate_size:]
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"{name} shard {shard_id!r}: expected shape {tuple(target.shape)}, got "
-                             f"{tuple(loaded.shape)}")
-        target.copy_(loaded)
+        target.copy_(_materialize(loaded))
 
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """(T, H), (T, E) -> (T, H): route, dispatch, local experts, combine."""
+        topk_weights, topk_ids = self.route(router_logits)
+        hidden_states, topk_weights, topk_ids = self.dispatch(hidden_states, topk_weights, topk_ids)
+        return self.combine(self.run_experts(hidden_states, topk_weights, topk_ids))
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, E) -> topk_weights, topk_ids (T, k), global ids (E: dropped by the capacity cap);
+        counts the load."""
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
             num_expert_group=self.num_expert_group, topk_group=self.topk_group, group_score=self.group_score,
@@ -144,12 +199,11 @@ class FusedMoE(nn.Module):
                                                              self.capacity_factor)
             if self.count_load:
                 self.dropped_tokens += dropped
-        hidden_states, topk_weights, topk_ids = self.dispatch(hidden_states, topk_weights, topk_ids)
-        return self.combine(self.run_experts(hidden_states, topk_weights, topk_ids))
+        return topk_weights, topk_ids
 
     def run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-        """The local experts' weighted sum per token (ids == E skipped)."""
+        """This rank's experts' weighted sum per token; ids are local slots (E_local: skipped)."""
         if self.use_triton and hidden_states.is_cuda:
             from kvtide.layers.moe.triton_moe import triton_fused_experts
 
@@ -157,27 +211,36 @@ class FusedMoE(nn.Module):
         plans = None
         if self._gemm_views is not None and any(v.gemm_plan is not None for v in self._gemm_views):
             views = self._gemm_views
-            plans = [(views[2 * e].gemm_plan, views[2 * e + 1].gemm_plan) for e in range(self.num_experts)]
+            plans = [(views[2 * e].gemm_plan, views[2 * e + 1].gemm_plan)
+                     for e in range(self.local_num_experts)]
         return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, plans)
 
     def gemm_views(self) -> list[ExpertGemmView]:
-        """Each expert's w13 and w2 as the 2-D `weight` of a linear-like view, for CPU weight
+        """Each local expert's w13 and w2 as the 2-D `weight` of a linear-like view, for CPU weight
         prepacking (layers/cpu_gemm.py sets each view's `gemm_plan`); [w13[0], w2[0], w13[1], ...]."""
         if self._gemm_views is None:
-            self._gemm_views = [ExpertGemmView(w[e]) for e in range(self.num_experts)
+            self._gemm_views = [ExpertGemmView(w[e]) for e in range(self.local_num_experts)
                                 for w in (self.w13_weight.data, self.w2_weight.data)]
         return self._gemm_views
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where expert parallelism will send each token to the ranks holding its experts (and map
-        the ids onto local ones, E for "not here"). One rank holds every expert: identity."""
-        return hidden_states, topk_weights, topk_ids
+        """(T, H), (T, k) global routing -> the rows this rank's experts compute, their weights and
+        local ids. One rank holds every expert: identity. Under expert parallelism the all-to-all
+        of expert_parallel.py; its bookkeeping waits on the layer for `combine`."""
+        if self.dispatcher is None:
+            return hidden_states, topk_weights, topk_ids
+        self._dispatched = self.dispatcher.dispatch(hidden_states, topk_weights, topk_ids)
+        return self._dispatched.hidden_states, self._dispatched.topk_weights, self._dispatched.topk_ids
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Where expert parallelism will return and sum the ranks' partial outputs per token.
-        One rank: identity."""
-        return partial
+        """The experts' outputs for dispatch's rows -> (T, H) per token, on every rank. One rank:
+        identity; under expert parallelism the reverse all-to-all, the weighted sum and the gather."""
+        if self.dispatcher is None:
+            return partial
+        dispatched, self._dispatched = self._dispatched, None
+        assert dispatched is not None, "combine without a dispatch"
+        return self.dispatcher.combine(partial, dispatched)
 
     # ---- load -------------------------------------------------------------------------------------
     def take_expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,5 +251,12 @@ class FusedMoE(nn.Module):
         return load
 
     def extra_repr(self) -> str:
+        ep = (f", ep_rank={self.ep_rank}/{self.ep_size}, local_experts={self.local_experts}"
+              if self.ep_size > 1 else "")
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, scoring_func={self.scoring_func}")
+                f"intermediate_size={self.intermediate_size}, scoring_func={self.scoring_func}{ep}")
+
+
+def _materialize(loaded) -> torch.Tensor:
+    """A checkpoint tensor, read now if it is a lazy one (models/lazy_tensor.py)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()

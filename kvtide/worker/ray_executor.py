@@ -1,0 +1,449 @@
+"""The Ray executor: one replica of tensor_parallel_size x pipeline_parallel_size ranks placed on a
+Ray cluster, so a replica can span nodes. Same contract as the multiprocess executor: rank 0 runs
+in the engine core's own process (structured output's grammar lives there) and ranks 1.. are Ray
+actors, each wrapping a `Worker` and speaking worker.py's messages as msgpack bytes (Ray carries
+the bytes; no pickled object of ours crosses).
+
+The replica gets a placement group of world_size bundles ({"CPU": threads_per_rank} on CPU,
+{"GPU": 1} on CUDA), rank r on bundle r; bundle 0 is pinned to the driver's node and reserves rank
+0's share there. A running cluster is joined (RAY_ADDRESS, or the one `ray start` left on this
+node); otherwise a small local one is started, and shut down again with the executor.
+
+A dead actor is noticed at once: each actor runs a `watch` call that only returns when it dies,
+a monitor thread waits on those, and a step waiting on the actors raises `WorkerDiedError` (rank
+0 blocked in a collective with the dead rank sees its connection reset and raises too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'ray>=2.40'") from e
+
+from kvtide.config import EngineConfig
+from kvtide.distributed import COMM_STATS, destroy_distributed
+from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.worker import wire
+from kvtide.worker.multiproc_executor import STARTUP_TIMEOUT_S, SampledTokenRelay, WorkerDiedError
+from kvtide.worker.worker import engine_config_from_args, free_port, init_rank, output_rank, threads_per_rank
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RayExecutor", "RayWorker", "WorkerDiedError", "connect_ray", "placement_bundles"]
+
+LOCAL_OBJECT_STORE_BYTES = 100 * 2**20
+"""Object store of a local cluster we start: only small messages travel through it."""
+PLACEMENT_TIMEOUT_S = float(os.environ.get("KVTIDE_RAY_PLACEMENT_TIMEOUT_S", "300"))
+"""How long the placement group may stay pending (resources held by others) before we give up."""
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ACTOR_NAME_PREFIX = "kvtide-worker-"
+"""Actors are named (kvtide-worker-<replica>-rank<r>) so `ray list actors` shows whose they are."""
+_EXIT_AFTER_ERROR_S = 1.0
+
+
+class RayWorker:
+    """A non-driver rank inside a Ray actor. Each reply is msgpack bytes (b"" for none); a failure
+    comes back as an "error" reply, after which the actor exits, as a multiprocess worker does, so
+    ranks blocked in a collective with it see the connection drop instead of waiting for ever."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.worker = None
+        self._stop = threading.Event()
+        logging.basicConfig(level=logging.WARNING,
+                            format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+
+    def node(self) -> bytes:
+        """Where this rank runs: ["node", rank, ip, pid, gpu ids]."""
+        return wire.encode(["node", self.rank, ray.util.get_node_ip_address(), os.getpid(),
+                            [str(g) for g in ray.get_gpu_ids()]])
+
+    def prepare(self, engine_args_json: str, model_dir: str) -> bytes:
+        """Rebuild the config before joining the process group: a node without the checkpoint or
+        with another kvtide fails here, fast, instead of leaving rank 0 waiting in the rendezvous."""
+        return self._guard(lambda: (engine_config_from_args(json.loads(engine_args_json), model_dir),
+                                    wire.encode(["prepared", self.rank]))[1])
+
+    def start(self, engine_args_json: str, model_dir: str, init_method: str) -> bytes:
+        from kvtide.worker.worker import Worker
+
+        def build() -> bytes:
+            self.worker = Worker(json.loads(engine_args_json), model_dir, self.rank, init_method)
+            return wire.encode(self.worker.ready_message())
+
+        return self._guard(build)
+
+    def handle(self, data: bytes) -> bytes:
+        def run() -> bytes:
+            if self.worker is None:
+                raise RuntimeError("the worker was not started")
+            reply = self.worker.handle(wire.decode(data))
+            return b"" if reply is None else wire.encode(reply)
+
+        return self._guard(run)
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> bytes:
+        """Returns only when the actor stops: the driver's death notice for this rank."""
+        self._stop.wait()
+        return b""
+
+    def _guard(self, fn: Callable[[], bytes]) -> bytes:
+        try:
+            return fn()
+        except BaseException:
+            reply = wire.encode(["error", self.rank, traceback.format_exc()])
+            threading.Timer(_EXIT_AFTER_ERROR_S, os._exit, (1,)).start()
+            return reply
+
+
+# ---- the cluster ----------------------------------------------------------------------------------
+def _running_cluster_address() -> str | None:
+    """The GCS address `ray start` recorded on this node, if that cluster still answers (a stale
+    record would make ray.init wait for minutes)."""
+    try:
+        from ray._private.utils import read_ray_address
+
+        address = read_ray_address()
+    except Exception:
+        path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+        try:
+            with open(path) as f:
+                address = f.read().strip()
+        except OSError:
+            address = None
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except (OSError, ValueError):
+        logger.info("the Ray cluster recorded at %s does not answer; starting a local one", address)
+        return None
+    return address
+
+
+def connect_ray() -> bool:
+    """Join a Ray cluster, as vLLM does: keep this process's connection if it has one, else the
+    cluster RAY_ADDRESS names, else the one `ray start` runs on this node, else start a local one
+    (no dashboard, a small object store). True if we started the cluster (we then stop it)."""
+    if ray.is_initialized():
+        logger.info("Ray is already initialized; using its cluster")
+        return False
+    address = os.environ.get("RAY_ADDRESS") or _running_cluster_address()
+    if address:
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            raise ConnectionError(f"cannot reach the Ray cluster at {address} ({e}); start it with "
+                                  f"`ray start --head --port 6379` or unset RAY_ADDRESS") from e
+        logger.info("joined the Ray cluster at %s", address)
+        return False
+    ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    logger.info("started a local Ray cluster: %s", ray.cluster_resources())
+    return True
+
+
+def placement_bundles(config: EngineConfig) -> list[dict[str, float]]:
+    """One bundle per rank: its CPU threads, or its GPU."""
+    if config.device_config.device == "cuda":
+        return [{"GPU": 1.0} for _ in range(config.parallel_config.world_size)]
+    return [{"CPU": float(threads_per_rank(config))} for _ in range(config.parallel_config.world_size)]
+
+
+def check_cluster(bundles: list[dict[str, float]], driver_ip: str) -> None:
+    """The replica fits the cluster: in total, in each bundle, and rank 0's share on this node
+    (ValueError in vLLM's words otherwise, before anything is reserved)."""
+    kind = "GPU" if "GPU" in bundles[0] else "CPU"
+    per_rank = bundles[0][kind]
+    needed = sum(b[kind] for b in bundles)
+    total = ray.cluster_resources().get(kind, 0.0)
+    hint = ("lower --cpu-threads-per-rank, " if kind == "CPU" else "") + \
+        "lower --tensor-parallel-size / --pipeline-parallel-size, or add nodes (`ray start --address HEAD:6379`)"
+    if needed > total:
+        raise ValueError(f"The number of required {kind}s exceeds the total number of available {kind}s in the "
+                         f"Ray cluster: a replica of {len(bundles)} ranks needs {needed:g} {kind}s ({per_rank:g} per "
+                         f"rank), the cluster has {total:g}; {hint}")
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    largest = max((n["Resources"].get(kind, 0.0) for n in nodes), default=0.0)
+    if per_rank > largest:
+        raise ValueError(f"each rank needs {per_rank:g} {kind}s on one node, and the largest node of the Ray cluster "
+                         f"has {largest:g}; {hint}")
+    here = [n for n in nodes if n.get("NodeManagerAddress") == driver_ip]
+    if here and here[0]["Resources"].get(kind, 0.0) < per_rank:
+        raise ValueError(f"Current node has no {kind} available for rank 0 (it needs {per_rank:g}; current node "
+                         f"resources: {here[0]['Resources'].get(kind, 0.0):g}). Start the engine on a node of the "
+                         f"Ray cluster with {kind}s to spare")
+
+
+def _wait_placement_group(pg: PlacementGroup, bundles: list[dict[str, float]]) -> None:
+    start = time.monotonic()
+    ready_ref = pg.ready()
+    interval = 10.0
+    while time.monotonic() - start < PLACEMENT_TIMEOUT_S:
+        ready, _ = ray.wait([ready_ref], timeout=min(interval, PLACEMENT_TIMEOUT_S))
+        if ready:
+            return
+        interval *= 2
+        logger.info("waiting %.0f s for a placement group of %s; see `ray status` for what holds the "
+                    "cluster's resources", time.monotonic() - start, bundles)
+    raise ValueError(f"Cannot provide a placement group of {bundles} within {PLACEMENT_TIMEOUT_S:.0f} seconds. "
+                     f"See `ray status` and `ray list nodes` to make sure the cluster has enough free resources")
+
+
+def _local_gpu_index(gpu_id: str) -> int:
+    """Ray's GPU id (as the node lists it) -> this process's CUDA index."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible.index(gpu_id) if visible else int(gpu_id)
+
+
+# ---- the executor ---------------------------------------------------------------------------------
+class RayExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str, engine_args: dict[str, Any],
+                 placement_strategy: str | None = None) -> None:
+        """`engine_args`: the EngineArgs `config` came from, as a dict (actors rebuild it).
+        `placement_strategy`: Ray's PACK (default; KVTIDE_RAY_PLACEMENT_STRATEGY), SPREAD, ..."""
+        from kvtide.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.output_rank = output_rank(config)
+        self.actors: list[Any] = []
+        self.placement_group: PlacementGroup | None = None
+        self.on_worker_death: Callable[[str], None] | None = None
+        """Called once (from the monitor thread) when a rank dies; the server's engine core exits."""
+        self._threads_before = torch.get_num_threads()
+        self.dead: str | None = None
+        """Why the replica cannot go on (a rank died or failed), or None."""
+        self._closed = threading.Event()
+        self._threads = threads_per_rank(config)
+        self._affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
+        """Pipeline parallelism: the last stage's sampled tokens, relayed to the earlier stages."""
+        self._monitor: threading.Thread | None = None
+        strategy = (placement_strategy or os.environ.get("KVTIDE_RAY_PLACEMENT_STRATEGY") or "PACK").upper()
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {strategy!r}")
+        self._driver_gpu: int | None = None
+        self._watches: dict[Any, int] = {}
+        if config.device_config.device == "cpu":  # every rank its bundle's threads, whatever its node's cores
+            engine_args = dict(engine_args, cpu_threads_per_rank=threads_per_rank(config))
+        args_json = json.dumps(engine_args)
+        self._owns_cluster = connect_ray()
+        try:
+            init_method = self._place_workers(config, model_dir, args_json, strategy)
+            starts = [a.start.remote(args_json, model_dir, init_method) for a in self.actors]
+            init_rank(config, 0, init_method)
+            if self._driver_gpu is not None:
+                torch.cuda.set_device(self._driver_gpu)
+            self.runner = ModelRunner(config, model_dir)
+            readies = self._gather(starts, "ready", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._kv_bytes_per_block = max([self.runner.kv_bytes_per_block()] + [r[2] for r in readies])
+        """The largest rank's bytes per block (pipeline stages differ)."""
+        self.weight_bytes_per_rank = [self.runner.weight_bytes] + [r[3] for r in readies]
+        self._monitor = threading.Thread(target=self._watch_actors, name="kvtide-ray-monitor", daemon=True)
+        self._monitor.start()
+        pc = config.parallel_config
+        logger.info("Ray replica of %d ranks (tp=%d, pp=%d) via %s; weights per rank: %s MiB", pc.world_size,
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                    ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes_per_rank))
+
+    def _place_workers(self, config: EngineConfig, model_dir: str, args_json: str, strategy: str) -> str:
+        """Reserve the bundles, start ranks 1.. as actors on theirs, check each can build its
+        config; returns the process group's init_method (on rank 0's node)."""
+        cuda = config.device_config.device == "cuda"
+        world = config.parallel_config.world_size
+        driver_ip = ray.util.get_node_ip_address()
+        bundles = placement_bundles(config)
+        check_cluster(bundles, driver_ip)
+        if f"node:{driver_ip}" in ray.cluster_resources():
+            bundles[0][f"node:{driver_ip}"] = 0.001  # rank 0 runs here, in this process
+        else:
+            logger.warning("this process is not on a node of the Ray cluster; rank 0's bundle may be reserved "
+                           "elsewhere")
+        self.placement_group = placement_group(bundles, strategy=strategy, name=f"kvtide-{uuid.uuid4().hex[:8]}")
+        _wait_placement_group(self.placement_group, bundles)
+        if cuda:
+            probe = ray.remote(num_cpus=0, num_gpus=1)(lambda: [str(g) for g in ray.get_gpu_ids()])
+            gpu_ids = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=0)).remote(), timeout=STARTUP_TIMEOUT_S)
+            self._driver_gpu = _local_gpu_index(gpu_ids[0])
+        actor_class = ray.remote(concurrency_groups={"watch": 1})(RayWorker)
+        replica = self.placement_group.id.hex()[:8]
+        for rank in range(1, world):
+            self.actors.append(actor_class.options(
+                name=f"{ACTOR_NAME_PREFIX}{replica}-rank{rank}",
+                num_cpus=0 if cuda else bundles[rank]["CPU"], num_gpus=1 if cuda else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank),
+            ).remote(rank))
+        self._watches = {a.watch.remote(): rank for rank, a in enumerate(self.actors, start=1)}
+        nodes = self._gather([a.node.remote() for a in self.actors], "node", STARTUP_TIMEOUT_S)
+        self._gather([a.prepare.remote(args_json, model_dir) for a in self.actors], "prepared", STARTUP_TIMEOUT_S)
+        if all(n[2] == driver_ip for n in nodes):
+            host = "127.0.0.1"
+        else:
+            host = driver_ip
+            logger.info("ranks on nodes %s", sorted({n[2] for n in nodes} | {driver_ip}))
+        return f"tcp://{host}:{free_port(host)}"
+
+    # ---- the executor contract ------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self._kv_bytes_per_block
+
+    def profile_peak_activation_bytes(self, memory_stats=None) -> int:
+        from kvtide.worker.memory_profile import profile_peak_activation_bytes
+
+        refs = self._broadcast(["profile"])
+        own = profile_peak_activation_bytes(self.runner, self.config, memory_stats)
+        return max([own] + [r[2] for r in self._gather(refs, "profiled", STARTUP_TIMEOUT_S)])
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        refs = self._broadcast(["init_kv", num_blocks])
+        self.runner.initialize_kv_cache(num_blocks)
+        self._gather(refs, "kv_ready", STARTUP_TIMEOUT_S)
+
+    def init_worker_thread(self) -> None:
+        """A new thread starts with torch's default thread count, not this rank's."""
+        torch.set_num_threads(self._threads)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(scheduler_output)()
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send the step to every actor and run rank 0's part of it; returns the call that waits
+        for the step's replies (the output rank's output). Under pipeline parallelism the next
+        micro-batch may be launched before this one's output is taken (replies come in order)."""
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+        scheduler_output = self.tokens.attach(scheduler_output)
+        refs = self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
+        try:
+            output = self.runner.execute(scheduler_output)
+        except RuntimeError as e:  # a collective whose peer vanished
+            try:
+                self._gather(refs, "output", 5.0)  # names the rank that died or failed, if one did
+            except WorkerDiedError as died:
+                raise died from e
+            raise self._died(f"a collective failed: {e}") from e
+
+        def result() -> ModelRunnerOutput:
+            replies = self._gather(refs, "output", None)
+            if self.output_rank == 0:
+                return output
+            remote = wire.runner_output_from_wire(replies[0][2])
+            self.tokens.record(remote)
+            return remote
+        return result
+
+    def comm_stats(self) -> dict[int, dict[str, dict[str, float]]]:
+        """Every rank's collective counts, bytes and seconds so far (rank -> kind -> figures)."""
+        refs = self._broadcast(["comm_stats"])
+        stats = {0: COMM_STATS.snapshot()}
+        stats.update({r[1]: r[2] for r in self._gather(refs, "comm_stats", 60.0)})
+        return stats
+
+    def shutdown(self) -> None:
+        """Kill the actors, free the placement group, leave the process group; stop the Ray cluster
+        only if we started it. Safe to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                logger.debug("killing a worker actor: %s", e)
+        self.actors = []
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception as e:
+                logger.debug("removing the placement group: %s", e)
+            self.placement_group = None
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        destroy_distributed()
+        torch.set_num_threads(self._threads_before)
+        if self._affinity_before is not None:
+            os.sched_setaffinity(0, self._affinity_before)
+        if self._owns_cluster and ray.is_initialized():
+            ray.shutdown()
+
+    # ---- messages -----------------------------------------------------------------------------------
+    def _broadcast(self, message: list[Any]) -> list[Any]:
+        data = wire.encode(message)
+        return [actor.handle.remote(data) for actor in self.actors]
+
+    def _gather(self, refs: list[Any], kind: str, timeout_s: float | None) -> list[list[Any]]:
+        """Every actor's reply to one message, in rank order (empty replies left out): raises
+        WorkerDiedError if one reports an error, dies, or (with a timeout) stays silent."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
+        replies: dict[int, list[Any]] = {}
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    data = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    raise self._died(f"worker rank {rank} died: {type(e).__name__}: {e}") from e
+                if not data:
+                    continue
+                message = wire.decode(data)
+                if message[0] == "error":
+                    raise self._died(f"worker rank {message[1]} failed:\n{message[2]}")
+                if message[0] != kind:
+                    raise self._died(f"expected {kind!r} from worker rank {rank}, got {message[0]!r}")
+                replies[rank] = message
+            if pending and self.dead is not None:
+                raise WorkerDiedError(self.dead)
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise WorkerDiedError(f"the workers sent no {kind!r} within {timeout_s:.0f} s")
+        return [replies[rank] for rank in sorted(replies)]
+
+    def _died(self, reason: str) -> WorkerDiedError:
+        if self.dead is None:
+            self.dead = reason.splitlines()[0]
+        return WorkerDiedError(reason)
+
+    def _watch_actors(self) -> None:
+        """Wait on every actor's `watch` call: one returning means that actor is gone."""
+        watches = dict(self._watches)
+        while watches and not self._closed.is_set():
+            ready, _ = ray.wait(list(watches), num_returns=1, timeout=1.0)
+            if not ready or self._closed.is_set():
+                continue
+            rank = watches.pop(ready[0])
+            try:
+                ray.get(ready[0])
+                reason = f"worker rank {rank} stopped"
+            except ray.exceptions.RayError as e:
+                reason = f"worker rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self.dead is None:
+                self.dead = reason
+            logger.error("%s; the replica cannot go on", reason)
+            if self.on_worker_death is not None:
+                self.on_worker_death(reason)
+            return
