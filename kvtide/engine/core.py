@@ -133,7 +133,7 @@ class EngineCore:
         this process, then hands on) until the stages are full or nothing more can run, then take
         the oldest batch's output. The scheduler leaves requests with a token in flight out, so the
         batches in flight hold disjoint sampling requests; the bubble is (stages - 1) / batches."""
-        launch = getattr(self.executor, "execute_async", None) or (lambda so: (lambda out=self.executor.execute(so): out))
+        launch = self.executor.execute_async  # the distributed executors: run the first stage, return a waiter
         while len(queue) < self._pipeline_depth and self.scheduler.has_unfinished_requests() \
                 and (not queue or self._can_schedule_ahead()):
             scheduler_output = self._schedule()
