@@ -137,6 +137,7 @@ class MultiprocExecutor:
         def result() -> ModelRunnerOutput:
             remote = wire.runner_output_from_wire(self._gather("output", None)[0][2])
             self.tokens.record(remote)
+            remote.expert_load = merge_expert_load(output.expert_load, remote.expert_load)
             return remote
         return result
 
@@ -248,3 +249,11 @@ class SampledTokenRelay:
         cached = [dataclasses.replace(c, sampled_token_ids=self._pending.pop(c.request_id))
                   if c.request_id in self._pending else c for c in so.scheduled_cached_reqs]
         return dataclasses.replace(so, scheduled_cached_reqs=cached)
+
+
+def merge_expert_load(first: dict | None, last: dict | None) -> dict | None:
+    """The first and last pipeline stages' per-layer expert load as one report (each stage counts
+    only its own layers; a stage between them is not reported)."""
+    if first is None or last is None:
+        return last if first is None else first
+    return {key: first[key] + last[key] for key in ("layers", "tokens", "dropped")}

@@ -78,3 +78,38 @@ def test_parallel_replica_matches_hf(checkpoint_factory, case):
         assert scheduler.kv_cache_manager.pool.num_used_blocks == 0
     finally:
         llm.shutdown()
+
+
+MOE_CASES = {
+    "mixtral-tp2-ep": ("MixtralForCausalLM", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    "qwen2moe-tp2-ep-shared-expert": ("Qwen2MoeForCausalLM", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    "mixtral-pp2": ("MixtralForCausalLM", dict(pipeline_parallel_size=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_replica_matches_hf_and_counts_the_same_expert_load(checkpoint_factory, case):
+    """Experts split whole over two ranks (tokens exchanged by all-to-all; the shared expert and
+    attention tensor-parallel), or layers over two stages: HF's tokens and logprobs, and the
+    expert load the engine reports equal to one rank's."""
+    architecture, parallel = MOE_CASES[case]
+    model_dir = checkpoint_factory(architecture)
+    prompts = PROMPTS[:4]
+    whole = make_llm(model_dir, max_num_batched_tokens=48)
+    whole.generate(prompts, GREEDY_LOGPROBS)
+    expected_load = whole.engine.core.get_stats().expert_load
+    whole.shutdown()
+    llm = parallel_llm(model_dir, parallel, max_num_batched_tokens=48)
+    try:
+        outputs = llm.generate(prompts, GREEDY_LOGPROBS)
+        assert_greedy_matches_hf(model_dir, prompts, outputs)
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            assert_logprobs_match_hf(hf_greedy(model_dir, prompt, MAX_TOKENS), out, f"{case} prompt {i}")
+        load = llm.engine.core.get_stats().expert_load
+        assert load["layers"] == expected_load["layers"] == list(range(len(load["layers"])))
+        assert load["tokens"] == expected_load["tokens"]
+        if parallel.get("enable_expert_parallel"):
+            stats = llm.engine.core.executor.comm_stats()
+            assert all(stats[rank]["tp.all_to_all"]["bytes"] > 0 for rank in (0, 1))
+    finally:
+        llm.shutdown()
