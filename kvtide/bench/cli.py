@@ -1,4 +1,4 @@
-"""`kvtide bench throughput|latency|serve|compare|quality|kv-cache|moe-op`, registered into the `kvtide` command."""
+"""`kvtide bench throughput|latency|serve|compare|quality|kv-cache|moe-op|parallel`, registered into the `kvtide` command."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ SUBCOMMANDS = {
                  "kvtide.bench.kv_cache", "add_kv_cache_args", "main_kv_cache"),
     "moe-op": ("one MoE layer (router + fused experts) vs a dense gated MLP of the same active size",
                "kvtide.bench.moe_op", "add_moe_op_args", "main_moe_op"),
+    "parallel": ("tensor/pipeline/expert parallel layouts: startup, throughput, collective bytes and time per step",
+                 "kvtide.bench.parallel", "add_parallel_args", "main_parallel"),
 }
 
 
 def register(subparsers) -> None:
     import importlib
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality, kv-cache, moe-op")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, quality, kv-cache, moe-op, parallel")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (help_text, module_name, add_args, main) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
