@@ -23,7 +23,14 @@ import argparse
 import re
 import time
 
-from kvtide.bench.common import align_rows, module_main, print_and_save, random_token_prompts, read_config, resolve_model
+from kvtide.bench.common import (
+    align_rows,
+    module_main,
+    print_and_save,
+    random_token_prompts,
+    read_config,
+    resolve_model,
+)
 from kvtide.machine import describe_machine, machine_info
 
 _LAYOUT = re.compile(r"^(?:tp(?P<tp>\d+))?(?:pp(?P<pp>\d+))?(?P<ep>ep)?$")
