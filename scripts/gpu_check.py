@@ -15,6 +15,9 @@ Sections (each prints its rows as it finishes; a failing section does not stop t
                  bandwidth floor = weight bytes read per token / measured copy bandwidth
   4. throughput  batch 64 and 256, 128 prompt / 128 output tokens, output tokens/s, and the same
                  with HF transformers generate on the same weights
+  5. parallel    with 2+ GPUs (else SKIP): TP=2 (NCCL) on a dense model and TP=2 with expert
+                 parallelism on a MoE one, greedy tokens equal to world size 1's, and rank 0's
+                 collective bytes and milliseconds per step
 
 Pure helpers (table, containment rule, floor, config) are imported by tests/kernels/test_gpu_check.py.
 """
@@ -416,11 +419,57 @@ def environment_row(device: str) -> Row:
 
 
 # ---- main -----------------------------------------------------------------------------------------
+# ---- 5. tensor and expert parallelism (NCCL), with two or more GPUs --------------------------------
+def section_parallel(args, budget: Budget) -> list[Row]:
+    """TP=2 on a dense model and TP=2 with expert parallelism on a MoE model: greedy tokens equal
+    to world size 1's, and the all-reduce / all-to-all bytes and time per step rank 0 measured."""
+    import torch
+
+    from kvtide import LLM, SamplingParams
+    from kvtide.models.demo import make_random_checkpoint
+
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        return [Row("parallel", "TP=2 / EP=2 (NCCL)", "SKIP", "", f"{torch.cuda.device_count()} GPU")]
+    rows = []
+    root = tempfile.mkdtemp(prefix="kvtide_gpu_check_parallel_")
+    params = SamplingParams(temperature=0.0, max_tokens=8 if args.small else 24, ignore_eos=True)
+    common = dict(device=args.device, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, max_num_seqs=8)
+    if args.device == "cpu":
+        common["cpu_threads_per_rank"] = 1
+    for arch, layout in (("LlamaForCausalLM", dict(tensor_parallel_size=2)),
+                         ("MixtralForCausalLM", dict(tensor_parallel_size=2, enable_expert_parallel=True))):
+        model_dir = make_random_checkpoint(os.path.join(root, arch), arch, seed=7)
+        whole = LLM(model=model_dir, **common)
+        expected = [list(o.outputs[0].token_ids) for o in whole.generate(PARITY_PROMPTS, params)]
+        whole.shutdown()
+        llm = LLM(model=model_dir, **common, **layout)
+        try:
+            before, steps_before = llm.engine.core.executor.comm_stats()[0], llm.engine.core.num_steps
+            start = time.monotonic()
+            got = [list(o.outputs[0].token_ids) for o in llm.generate(PARITY_PROMPTS, params)]
+            elapsed = time.monotonic() - start
+            after = llm.engine.core.executor.comm_stats()[0]
+            stats = {kind: {f: v - before.get(kind, {}).get(f, 0) for f, v in figures.items()}
+                     for kind, figures in after.items()}
+            steps = max(llm.engine.core.num_steps - steps_before, 1)
+        finally:
+            llm.shutdown()
+        same = sum(a == b for a, b in zip(got, expected, strict=True))
+        label = f"{arch} " + " ".join(f"{k}={v}" for k, v in layout.items())
+        rows.append(Row("parallel", label, "PASS" if same == len(expected) else "FAIL",
+                        f"{same}/{len(expected)} equal", f"{elapsed:.1f} s"))
+        for kind, figures in sorted(stats.items()):
+            rows.append(Row("parallel", f"  {kind} per step", "INFO",
+                            f"{figures['bytes'] / steps / 1024:.1f} KiB",
+                            f"{figures['seconds'] / steps * 1e3:.2f} ms, {figures['calls'] / steps:.1f} calls"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of the script")
-    parser.add_argument("--sections", default="kernels,parity,decode,throughput")
+    parser.add_argument("--sections", default="kernels,parity,decode,throughput,parallel")
     parser.add_argument("--batches", default="64,256", help="throughput batch sizes")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for all sections")
     parser.add_argument("--kernel-timeout", type=float, default=240.0)
@@ -432,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget)
     sections = args.sections.split(",")
     # Rough needs in seconds; a section that cannot finish in what is left is skipped.
-    needs = {"kernels": 60, "parity": 40, "decode": 60, "throughput": 60}
+    needs = {"kernels": 60, "parity": 40, "decode": 60, "throughput": 60, "parallel": 60}
     rows: list[Row] = [environment_row(args.device)]
     models = None
     for name in sections:
@@ -443,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if name in ("decode", "throughput") and models is None:
                 models = build_big_models(args)
-            fn = {"kernels": section_kernels, "parity": section_parity}.get(name)
+            fn = {"kernels": section_kernels, "parity": section_parity, "parallel": section_parallel}.get(name)
             new = fn(args, budget) if fn else {"decode": section_decode,
                                                 "throughput": section_throughput}[name](args, budget, models)
         except Exception as e:  # one broken section must not hide the others' results
