@@ -28,6 +28,8 @@ if _SERVER_TESTS not in sys.path:
 from serve_helpers import launch_server, pid_alive  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+CONSTRAINED = SamplingParams(temperature=0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"]))
 
 
 def config_error(model_dir: str, **kwargs) -> str:
@@ -87,6 +89,7 @@ def test_tp2_shards_weights_and_counts_its_collectives(checkpoint_factory):
     whole = LLM(model_dir, kv_cache_memory="4MiB", max_model_len=512)
     whole_bytes = whole.engine.core.executor.runner.weight_bytes
     expected = whole.generate(["the quick brown fox"], GREEDY)[0].outputs[0].token_ids
+    expected_constrained = whole.generate(["answer:"], CONSTRAINED)[0].outputs[0].text
     hf = whole.engine.core.config.model_config.hf_config
     whole.shutdown()
 
@@ -115,6 +118,10 @@ def test_tp2_shards_weights_and_counts_its_collectives(checkpoint_factory):
             # the sampled row's logits: each rank sends its half of the padded vocabulary
             assert delta("tp.all_gather", "calls") == 1
             assert delta("tp.all_gather", "bytes") == -(-hf.vocab_size // 2) * 4
+        assert llm.generate(["the quick brown fox"], GREEDY)[0].outputs[0].token_ids == expected
+        # the grammar masks rank 0's logits only; rank 1 takes its tokens
+        constrained = llm.generate(["answer:"], CONSTRAINED)[0].outputs[0].text
+        assert constrained == expected_constrained and constrained in ("yes", "no", "maybe so")
         assert llm.generate(["the quick brown fox"], GREEDY)[0].outputs[0].token_ids == expected
     finally:
         llm.shutdown()
