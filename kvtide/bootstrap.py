@@ -147,8 +147,10 @@ def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs):
         from kvtide.worker.ray_executor import RayExecutor
 
         return RayExecutor(config, model_dir, dataclasses.asdict(args))
+    from kvtide.distributed import refuse_live_process_group
     from kvtide.worker.executor import UniprocExecutor
 
+    refuse_live_process_group()
     return UniprocExecutor(config, model_dir)
 
 

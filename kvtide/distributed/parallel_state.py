@@ -198,6 +198,14 @@ def init_distributed(layout: ParallelLayout, init_method: str, backend: str = "g
             _PP = GroupCoordinator(ranks, layout.rank, group, "pp")
 
 
+def refuse_live_process_group() -> None:
+    """Before building a replica in this process: the parallel layers read this process's groups,
+    so a second engine beside a live multi-rank one would take its groups."""
+    if dist.is_initialized():
+        raise ValueError("this process already runs an engine of several ranks (its process group is live); "
+                         "shut that LLM down (llm.shutdown()) before building another one here")
+
+
 def destroy_distributed() -> None:
     """Leave the process group (a no-op at world size 1) and return to the trivial groups."""
     global _LAYOUT, _WORLD, _TP, _PP

@@ -6,6 +6,9 @@
         OutputProcessor (detokenize, stop strings, logprobs; DELTA)
         ─▶ per-request asyncio.Queue ─▶ the generate() iterator of that request
 
+With --data-parallel-size N the client is a DPEngineCoreClient (dp_client.py): N engine-core
+processes behind the same interface, each request routed to one of them by load and prefix affinity.
+
 Errors, kept apart as DESIGN.md asks: ValueError (bad input, before anything is queued),
 EngineQueueFullError (the waiting queue is full), EngineGenerateError (this request failed in the
 engine), EngineDeadError (the engine-core process is gone; every request fails).
@@ -18,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtide.engine.core_client import (
     AddErrorMessage,
@@ -34,6 +37,9 @@ from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtide.engine.dp_client import DPEngineCoreClient
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError", "EngineQueueFullError",
            "FinishedRequestStats", "IterationStats", "StatLogger"]
@@ -85,7 +91,8 @@ class _RequestState:
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, client: EngineCoreClient | DPEngineCoreClient, tokenizer: Any,
+                 stat_logger: StatLogger | None = None) -> None:
         assert client.info is not None
         self.client = client
         self.info: EngineCoreInfo = client.info
@@ -113,7 +120,13 @@ class AsyncLLM:
         # The tokenizer loads here while the engine core loads the model there.
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(tokenizer_from_args))
         try:
-            client = await EngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
+            client: EngineCoreClient | DPEngineCoreClient
+            if getattr(engine_args, "data_parallel_size", 1) > 1:
+                from kvtide.engine.dp_client import DPEngineCoreClient
+
+                client = await DPEngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
+            else:
+                client = await EngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
         except BaseException:
             await asyncio.gather(tokenizer_task, return_exceptions=True)
             raise
@@ -139,6 +152,15 @@ class AsyncLLM:
     @property
     def engine_core_pid(self) -> int:
         return self.info.pid
+
+    @property
+    def engine_core_pids(self) -> list[int]:
+        """Every engine-core process (one per data-parallel replica)."""
+        return self.client.pids
+
+    @property
+    def num_engines(self) -> int:
+        return self.client.num_engines
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and validate a prompt (ValueError naming what is wrong)."""
@@ -344,6 +366,17 @@ class AsyncLLM:
         from kvtide.engine.serialization import stats_from_wire
 
         return stats_from_wire(await self.client.call_utility("get_stats", timeout_s=timeout_s))
+
+    async def get_engine_stats(self, timeout_s: float | None = 5.0) -> list[SchedulerStats]:
+        """Each engine core's SchedulerStats (one per data-parallel replica), in rank order."""
+        from kvtide.engine.serialization import stats_from_wire
+
+        return [stats_from_wire(w) for w in await self.client.call_utility_each("get_stats", timeout_s=timeout_s)]
+
+    def engine_summaries(self) -> list[dict[str, Any]]:
+        """Per data-parallel replica: pid and the requests the balancer sent it; [] with one engine."""
+        summaries = getattr(self.client, "engine_summaries", None)
+        return summaries() if summaries is not None else []
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache", timeout_s=30.0))

@@ -11,7 +11,8 @@
 The client spawns the process (a fresh interpreter: `python -m kvtide.engine.core_proc`), binds
 both sockets (ipc paths that contain this process's pid), waits for "ready", then sends requests
 and receives outputs as msgspec msgpack (serialization.py). Utility calls (stats, prefix-cache
-reset, integrity check) are request/response pairs matched by a call id.
+reset, integrity check) are request/response pairs matched by a call id. With data parallelism,
+DPEngineCoreClient (dp_client.py) holds one of these per replica.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -111,12 +112,17 @@ class EngineCoreClient:
         self.info: EngineCoreInfo | None = None
         self._monitor_task: asyncio.Task | None = None
         self._closed = False
+        self._shutdown_sent = False
 
     # ---- start / stop ------------------------------------------------------------------------
     @classmethod
     async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0,
-                    engine_timeout_s: float | None = None) -> EngineCoreClient:
-        """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready."""
+                    engine_timeout_s: float | None = None, *, dp_rank: int | None = None,
+                    cpu_threads: int | None = None, cpu_affinity: Sequence[int] | None = None,
+                    env: dict[str, str] | None = None) -> EngineCoreClient:
+        """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready.
+        A data-parallel replica also gets its rank (for its log lines), its CPU share (cores and
+        torch threads) and extra environment (CUDA_VISIBLE_DEVICES)."""
         context = zmq.asyncio.Context()
         tag = f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         base = os.path.join(tempfile.gettempdir(), tag)
@@ -134,7 +140,13 @@ class EngineCoreClient:
         command = [sys.executable, "-m", "kvtide.engine.core_proc", "--input", f"ipc://{input_path}",
                    "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
                    "--engine-args", args_json]
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        if dp_rank is not None:
+            command += ["--dp-rank", str(dp_rank)]
+        if cpu_threads is not None:
+            command += ["--cpu-threads", str(cpu_threads)]
+        if cpu_affinity:
+            command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
         client = cls(proc, context, input_socket, output_socket, [input_path, output_path], engine_timeout_s)
         try:
             await client._wait_ready(startup_timeout_s)
@@ -175,10 +187,7 @@ class EngineCoreClient:
             self.proc.kill()  # stopped or wedged: it would not hear a polite request
             self.proc.wait()
         if self.proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
-                sent = self._input.send(serialization.encode(["shutdown"]), flags=zmq.NOBLOCK)
-                if isinstance(sent, asyncio.Future):  # zmq.asyncio reports a full queue in the future
-                    sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._send_shutdown()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -196,10 +205,32 @@ class EngineCoreClient:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def request_shutdown(self) -> None:
+        """Ask the engine core to exit without waiting (shutdown() then waits): several replicas
+        stop together instead of one after the other."""
+        if not self._closed and not self._unresponsive and self.proc.poll() is None:
+            self._send_shutdown()
+
+    def _send_shutdown(self) -> None:
+        if self._shutdown_sent:
+            return
+        self._shutdown_sent = True
+        with contextlib.suppress(zmq.ZMQError):
+            sent = self._input.send(serialization.encode(["shutdown"]), flags=zmq.NOBLOCK)
+            if isinstance(sent, asyncio.Future):  # zmq.asyncio reports a full queue in the future
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     # ---- liveness ----------------------------------------------------------------------------
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    num_engines = 1
+    """Engine-core replicas behind this client (DPEngineCoreClient: data_parallel_size)."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
 
     def add_dead_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
         self._dead_listeners.append(listener)
@@ -282,6 +313,10 @@ class EngineCoreClient:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._pending_calls.pop(call_id, None)
+
+    async def call_utility_each(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """call_utility as a list of one answer per engine core (DPEngineCoreClient has several)."""
+        return [await self.call_utility(method, *args, timeout_s=timeout_s)]
 
     # ---- receiving ---------------------------------------------------------------------------
     async def get_output(self) -> OutputsMessage | AddErrorMessage:

@@ -1,12 +1,14 @@
 """The FastAPI app and its lifecycle.
 
     run_server(engine_args, settings, host, port)
-      1. AsyncLLM.from_engine_args: spawn the engine-core process, wait until it is ready
+      1. AsyncLLM.from_engine_args: spawn the engine-core process (--data-parallel-size N: N of
+         them, requests balanced between them), wait until it is ready
       2. build_app: routes (openai/*, the chat page ui/), exception handlers, the guard middleware
       3. serve with uvicorn until one of:
            SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
                               --shutdown-timeout; then they end with an error), stop; exit 0
-           engine death    -> (exit, fatal step error, or silent for --engine-timeout)
+           engine death    -> (exit, fatal step error, or silent for --engine-timeout; of any
+                              data-parallel replica)
                               /health 503 at once, requests in flight fail, stop after a short
                               linger (so health checks can see the 503); exit 1
       4. stop the engine-core process (always: no child outlives the server)
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 import kvtide
 from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import EngineDeadError
+from kvtide.engine.dp_client import merge_stats
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -85,17 +88,26 @@ def build_app(state: ServerState) -> Any:
     async def metrics(raw_request: Request) -> Response:
         s = get_state(raw_request)
         with contextlib.suppress(Exception):  # a dead or busy engine: serve what we have
-            s.metrics.update_from_engine(await s.engine.get_stats(timeout_s=2.0))
+            s.metrics.update_from_engines(await s.engine.get_engine_stats(timeout_s=2.0))
+        s.metrics.update_data_parallel(s.engine.engine_summaries())
         s.metrics.record_invalid_structured_outputs(s.engine.input_processor.num_invalid_structured_outputs)
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/internal/stats")
     async def internal_stats(raw_request: Request) -> JSONResponse:
-        """Engine-core SchedulerStats plus process facts (for tests and debugging)."""
+        """Engine-core SchedulerStats plus process facts (for tests and debugging). With data
+        parallelism the stats are summed over the replicas and "data_parallel" has each replica's
+        own stats, pid and what the balancer sent it."""
         s = get_state(raw_request)
-        stats = await s.engine.get_stats()
-        return JSONResponse({**stats.__dict__, "engine_core_pid": s.engine.engine_core_pid,
-                             "num_unfinished_requests": s.engine.num_unfinished_requests})
+        per_engine = await s.engine.get_engine_stats()
+        body = {**merge_stats(per_engine).__dict__, "engine_core_pid": s.engine.engine_core_pid,
+                "engine_core_pids": s.engine.engine_core_pids,
+                "num_unfinished_requests": s.engine.num_unfinished_requests}
+        summaries = s.engine.engine_summaries()
+        if summaries:
+            body["data_parallel"] = [{**summary, "stats": stats.__dict__}
+                                     for summary, stats in zip(summaries, per_engine, strict=True)]
+        return JSONResponse(body)
 
     @app.post("/internal/check_integrity")
     async def check_integrity(raw_request: Request) -> JSONResponse:

@@ -3,6 +3,7 @@
     kvtide serve smollm2 --port 8000          # then open http://127.0.0.1:8000/ for the chat page
     kvtide serve path/to/model.Q4_K_M.gguf
     kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
+    kvtide serve ./my-llama --data-parallel-size 2     # two engine replicas, requests balanced
 
 Engine flags are EngineArgs' (vLLM's names); the server's own are below.
 """
@@ -17,6 +18,7 @@ import sys
 
 from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
+from kvtide.engine.dp_client import check_data_parallel_args
 from kvtide.engine_args import EngineArgs
 from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
@@ -90,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.engine_timeout < 0:
         raise ValueError("--engine-timeout must be >= 0 (0 disables the watchdog)")
     check_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    check_data_parallel_args(engine_args)
     _check_port_free(args.host, args.port)
     settings = ServerSettings(served_model_names=args.served_model_name or [model],
                               api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,

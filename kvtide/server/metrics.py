@@ -18,6 +18,12 @@ Mixture-of-experts models: moe_expert_tokens{layer, expert} (assignments routed)
 and moe_dropped_tokens{layer} (skipped by --moe-capacity-factor), moe_expert_load_imbalance{layer}
 (max/mean of the experts' counts) and its largest value, from SchedulerStats.expert_load.
 
+Data parallelism (--data-parallel-size N): every series above is summed over the N engine cores
+(counters from each replica's own deltas); data_parallel_requests{engine} (requests the balancer
+sent each replica), data_parallel_prefix_affinity_requests{engine} (those a prefix match decided),
+data_parallel_engine_requests{engine} (engine-core requests each holds now) and
+data_parallel_engine_running / _waiting{engine} (its own scheduler's counts) show the split.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
@@ -29,6 +35,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
+from kvtide.engine.dp_client import merge_stats
 from kvtide.engine.expert_load import imbalance
 from kvtide.engine.messages import SchedulerStats
 from kvtide.spec_decode.metrics import difference
@@ -118,9 +125,25 @@ class ServerMetrics:
                                    "since start, per sparse layer (1: even).", ["model_name", "layer"], registry=r)
         self.moe_max_imbalance = gauge("moe_expert_load_imbalance_max",
                                        "The largest per-layer expert-load imbalance (max/mean) since start.")
-        self._so_last_compile = 0
+        engine_labels = ["model_name", "engine"]
+        self.dp_requests = Counter("kvtide:data_parallel_requests", "Requests routed to each data-parallel "
+                                   "engine.", engine_labels, registry=r)
+        self.dp_affinity_requests = Counter("kvtide:data_parallel_prefix_affinity_requests",
+                                            "Requests routed to each data-parallel engine by a prefix match.",
+                                            engine_labels, registry=r)
+        self.dp_engine_requests = Gauge("kvtide:data_parallel_engine_requests", "Engine-core requests each "
+                                        "data-parallel engine holds (waiting + running), as routed.",
+                                        engine_labels, registry=r)
+        # Not *num_requests_running: clients that sum every series ending so (kvtide bench) would
+        # count the running requests twice.
+        self.dp_running = Gauge("kvtide:data_parallel_engine_running", "Requests in each data-parallel "
+                                "engine's running batch.", engine_labels, registry=r)
+        self.dp_waiting = Gauge("kvtide:data_parallel_engine_waiting", "Requests waiting in each "
+                                "data-parallel engine.", engine_labels, registry=r)
+        self._dp_last: dict[int, tuple[int, int]] = {}
+        self._so_last_compile: dict[int, int] = {}
         self._so_last_invalid = 0
-        self._last_stats = SchedulerStats()
+        self._last_per_engine: list[SchedulerStats] = []
 
     # ---- StatLogger (called by AsyncLLM) --------------------------------------------------------
     def record_iteration(self, stats: IterationStats) -> None:
@@ -143,6 +166,14 @@ class ServerMetrics:
 
     # ---- scrape ------------------------------------------------------------------------------
     def update_from_engine(self, stats: SchedulerStats) -> None:
+        self.update_from_engines([stats])
+
+    def update_from_engines(self, per_engine: list[SchedulerStats]) -> None:
+        """One scrape of every engine core's stats (one per data-parallel replica): gauges of
+        their sum, counters advanced by what each engine's own counts gained."""
+        if not per_engine:
+            return
+        stats = merge_stats(per_engine)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
@@ -151,25 +182,45 @@ class ServerMetrics:
         self.kv_blocks_total.set(stats.num_blocks)
         queries = stats.prefix_cache_queries
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
-        last = self._last_stats
-        for counter, new, old in ((self.preemptions, stats.num_preemptions, last.num_preemptions),
-                                  (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-                                  (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
-            if new > old:
-                counter.inc(new - old)
-        self._update_spec_decoding(stats.spec_decoding, last.spec_decoding)
-        self._update_structured_output(stats.structured_output, last.structured_output)
-        self._update_expert_load(stats.expert_load, last.expert_load)
-        self._last_stats = stats
+        if len(self._last_per_engine) != len(per_engine):
+            self._last_per_engine = [SchedulerStats() for _ in per_engine]
+        for engine, (new_stats, last) in enumerate(zip(per_engine, self._last_per_engine, strict=True)):
+            for counter, new, old in (
+                    (self.preemptions, new_stats.num_preemptions, last.num_preemptions),
+                    (self.prefix_cache_queries, new_stats.prefix_cache_queries, last.prefix_cache_queries),
+                    (self.prefix_cache_hits, new_stats.prefix_cache_hits, last.prefix_cache_hits)):
+                if new > old:
+                    counter.inc(new - old)
+            self._update_spec_decoding(new_stats.spec_decoding, last.spec_decoding)
+            self._update_structured_output(new_stats.structured_output, last.structured_output, engine)
+            self._count_expert_load(new_stats.expert_load, last.expert_load)
+            if len(per_engine) > 1:
+                self.dp_running.labels(engine=str(engine), **self._labels).set(new_stats.num_running)
+                self.dp_waiting.labels(engine=str(engine), **self._labels).set(new_stats.num_waiting)
+        self._set_expert_imbalance(stats.expert_load)
+        self._last_per_engine = list(per_engine)
 
-    def _update_expert_load(self, new: dict | None, old: dict | None) -> None:
+    def update_data_parallel(self, summaries: list[dict]) -> None:
+        """The balancer's per-engine figures (AsyncLLM.engine_summaries); nothing with one engine."""
+        for summary in summaries:
+            engine = summary["engine"]
+            labels = dict(engine=str(engine), **self._labels)
+            before = self._dp_last.get(engine, (0, 0))
+            now = (summary["requests"], summary["affinity_requests"])
+            for counter, new, old in zip((self.dp_requests, self.dp_affinity_requests), now, before, strict=True):
+                child = counter.labels(**labels)
+                if new > old:
+                    child.inc(new - old)
+            self._dp_last[engine] = now
+            self.dp_engine_requests.labels(**labels).set(summary["num_requests"])
+
+    def _count_expert_load(self, new: dict | None, old: dict | None) -> None:
         """Add what each expert's count gained since the last scrape; per-expert series only while
         layers x experts stays within MAX_EXPERT_SERIES (a 256-expert, 58-layer model keeps its
         per-layer series)."""
         if new is None:
             return
         per_expert = len(new["layers"]) * len(new["tokens"][0]) <= MAX_EXPERT_SERIES
-        worst = 0.0
         for i, layer in enumerate(new["layers"]):
             label = str(layer)
             tokens, dropped = new["tokens"][i], new["dropped"][i]
@@ -188,13 +239,20 @@ class ServerMetrics:
             dropped_counter = self.moe_dropped_tokens.labels(layer=label, **self._labels)
             if skipped > 0:
                 dropped_counter.inc(skipped)
-            value = imbalance(tokens)
+
+    def _set_expert_imbalance(self, load: dict | None) -> None:
+        """Per layer max/mean of the experts' counts since start (over every engine)."""
+        if load is None:
+            return
+        worst = 0.0
+        for i, layer in enumerate(load["layers"]):
+            value = imbalance(load["tokens"][i])
             if value is not None:
-                self.moe_imbalance.labels(layer=label, **self._labels).set(value)
+                self.moe_imbalance.labels(layer=str(layer), **self._labels).set(value)
                 worst = max(worst, value)
         self.moe_max_imbalance.set(worst)
 
-    def _update_structured_output(self, new: dict | None, old: dict | None) -> None:
+    def _update_structured_output(self, new: dict | None, old: dict | None, engine: int = 0) -> None:
         if new is None:
             return
         for counter, key in ((self.so_requests, "num_constrained_requests"), (self.so_cache_hits, "num_cache_hits"),
@@ -202,10 +260,12 @@ class ServerMetrics:
             gained = new[key] - (old[key] if old is not None else 0)
             if gained > 0:
                 counter.inc(gained)
+        last = self._so_last_compile.get(engine, 0)
         for number, seconds in new["compile_seconds"]:
-            if number > self._so_last_compile:
+            if number > last:
                 self.so_compile_seconds.observe(seconds)
-                self._so_last_compile = number
+                last = number
+        self._so_last_compile[engine] = last
 
     def record_invalid_structured_outputs(self, total: int) -> None:
         """The input processor's count of refused constraints so far."""

@@ -79,6 +79,7 @@ class MultiprocExecutor:
         self._closing = threading.Event()
         self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
         try:
+            self._gather("prepared", STARTUP_TIMEOUT_S)
             init_rank(config, 0, init_method)
             self.runner = ModelRunner(config, model_dir)
             readies = self._gather("ready", STARTUP_TIMEOUT_S)

@@ -78,8 +78,11 @@ class RayWorker:
     def prepare(self, engine_args_json: str, model_dir: str) -> bytes:
         """Rebuild the config before joining the process group: a node without the checkpoint or
         with another kvtide fails here, fast, instead of leaving rank 0 waiting in the rendezvous."""
-        return self._guard(lambda: (engine_config_from_args(json.loads(engine_args_json), model_dir),
-                                    wire.encode(["prepared", self.rank]))[1])
+        def check() -> bytes:
+            engine_config_from_args(json.loads(engine_args_json), model_dir)
+            return wire.encode(["prepared", self.rank])
+
+        return self._guard(check)
 
     def start(self, engine_args_json: str, model_dir: str, init_method: str) -> bytes:
         from kvtide.worker.worker import Worker
@@ -101,7 +104,8 @@ class RayWorker:
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> bytes:
-        """Returns only when the actor stops: the driver's death notice for this rank."""
+        """Never returns: its reference resolves, with an error, when the actor dies (the driver's
+        death notice for this rank, in a thread of its own beside the messages)."""
         self._stop.wait()
         return b""
 
@@ -123,7 +127,8 @@ def _running_cluster_address() -> str | None:
 
         address = read_ray_address()
     except Exception:
-        path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or tempfile.gettempdir()
+        path = os.path.join(temp, "ray", "ray_current_cluster")
         try:
             with open(path) as f:
                 address = f.read().strip()
@@ -430,20 +435,28 @@ class RayExecutor:
 
     def _watch_actors(self) -> None:
         """Wait on every actor's `watch` call: one returning means that actor is gone."""
+        reason = self._first_death()
+        if reason is None or self._closed.is_set():
+            return
+        if self.dead is None:
+            self.dead = reason
+        logger.error("%s; the replica cannot go on", reason)
+        if self.on_worker_death is not None:
+            self.on_worker_death(reason)
+
+    def _first_death(self) -> str | None:
         watches = dict(self._watches)
         while watches and not self._closed.is_set():
-            ready, _ = ray.wait(list(watches), num_returns=1, timeout=1.0)
-            if not ready or self._closed.is_set():
+            try:
+                ready, _ = ray.wait(list(watches), num_returns=1, timeout=1.0)
+            except Exception as e:  # the connection to the cluster itself is gone
+                return f"lost the Ray cluster: {type(e).__name__}: {e}"
+            if not ready:
                 continue
             rank = watches.pop(ready[0])
             try:
                 ray.get(ready[0])
-                reason = f"worker rank {rank} stopped"
             except ray.exceptions.RayError as e:
-                reason = f"worker rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if self.dead is None:
-                self.dead = reason
-            logger.error("%s; the replica cannot go on", reason)
-            if self.on_worker_death is not None:
-                self.on_worker_death(reason)
-            return
+                return f"worker rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return f"worker rank {rank} stopped"
+        return None

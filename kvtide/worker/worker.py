@@ -3,6 +3,7 @@ the handling of the executor's messages. The multiprocess executor runs it in a 
 (`run_worker_process`), the Ray executor inside an actor; both speak the same messages:
 
     executor -> worker                      worker -> executor
+                                            ["prepared", rank] (its config built; joining the group next)
     ["init_kv", num_blocks]                 ["ready", rank, kv_bytes_per_block, weight_bytes]
     ["profile"]                             ["kv_ready", rank] / ["profiled", rank, peak_bytes]
     ["execute", scheduler_output]           ["output", rank, ModelRunnerOutput bytes] (output rank only)
@@ -21,7 +22,13 @@ from typing import Any
 import torch
 
 from kvtide.config import EngineConfig
-from kvtide.distributed import COMM_STATS, ParallelLayout, destroy_distributed, init_distributed
+from kvtide.distributed import (
+    COMM_STATS,
+    ParallelLayout,
+    destroy_distributed,
+    init_distributed,
+    refuse_live_process_group,
+)
 from kvtide.worker import wire
 
 logger = logging.getLogger(__name__)
@@ -56,6 +63,7 @@ def init_rank(config: EngineConfig, rank: int, init_method: str) -> None:
     """Cores or device, then the process group, of one rank. On CPU each rank runs its share of
     the threads, pinned to its own cores of this process's CPU set when there are enough of them
     (rank r: cores [r*t, (r+1)*t)), so ranks do not contend for the same cores."""
+    refuse_live_process_group()
     if config.device_config.device == "cpu":
         threads = threads_per_rank(config)
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -129,6 +137,8 @@ def run_worker_process(engine_args: dict[str, Any], model_dir: str, rank: int, i
     outbox.connect(output_address)
     worker = None
     try:
+        engine_config_from_args(engine_args, model_dir)  # a bad config or checkpoint fails here, before
+        outbox.send(wire.encode(["prepared", rank]))     # rank 0 waits in the rendezvous for this rank
         worker = Worker(engine_args, model_dir, rank, init_method)
         outbox.send(wire.encode(worker.ready_message()))
         while True:

@@ -145,6 +145,8 @@ def test_pp2_stages_refuse_grammar_and_die_with_a_worker(llama_dir):
         with pytest.raises(ValueError, match="pipeline parallelism"):
             llm.generate(["{"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True)))
         assert llm.generate(["still serving"], GREEDY)[0].outputs[0].token_ids
+        with pytest.raises(ValueError, match="process group is live"):  # a second engine beside this one
+            LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512)
 
         executor.workers[0].kill()
         start = time.monotonic()

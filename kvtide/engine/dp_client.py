@@ -1,0 +1,365 @@
+"""DPEngineCoreClient: N engine-core replicas (data parallelism) behind the one client interface
+AsyncLLM uses.
+
+    API process                                              engine-core processes
+    ┌─────────────────────────────┐   ipc (ZMQ, msgpack)   ┌───────────────────────────┐
+    │ AsyncLLM                    │ ─────────────────────▶ │ replica 0: EngineCore     │
+    │   DPEngineCoreClient        │ ◀───────────────────── │   (scheduler, KV, model)  │
+    │     DPLoadBalancer          │ ─────────────────────▶ │ replica 1: EngineCore     │
+    │     EngineCoreClient x N    │ ◀───────────────────── │   ...                     │
+    └─────────────────────────────┘                        └───────────────────────────┘
+
+Each replica is a plain engine (its own EngineCoreClient, process, watchdog), started with
+data_parallel_size=1. The balancer (dp_balancer.py) picks a replica per user request: all its
+engine-core requests (n > 1 children) go there, and aborts and stops follow them. One reader task
+per replica merges the outputs into one stream. Utility calls are broadcast and their answers
+combined (stats summed). If any replica dies, the whole engine is dead: the same EngineDeadError,
+/health 503 and failed requests as a single engine's death.
+
+On CPU each replica is pinned to an even share of the usable cores and runs that many torch
+threads; on CUDA each gets its own GPUs (CUDA_VISIBLE_DEVICES). Replicas do not synchronize
+their steps: that only matters once MoE experts are sharded across DP ranks (vLLM's expert
+parallelism over DP, with dummy batches on idle ranks), which kvtide does not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtide.engine.core_client import (
+    AddErrorMessage,
+    EngineCoreClient,
+    EngineCoreInfo,
+    EngineDeadError,
+    OutputsMessage,
+)
+from kvtide.engine.dp_balancer import DEFAULT_LOAD_THRESHOLD, DPLoadBalancer
+from kvtide.engine.messages import SchedulerStats
+from kvtide.engine.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+_DEAD = object()
+"""Put in the merged output queue when the engine dies, to wake get_output."""
+
+
+def check_data_parallel_args(args: Any) -> None:
+    """The data-parallel flags this build can run; a ValueError naming what is not built. Needs no
+    model, so `kvtide serve` refuses before anything loads."""
+    dp = args.data_parallel_size
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
+    local = args.data_parallel_size_local
+    if local is not None and (not isinstance(local, int) or not 1 <= local <= dp):
+        raise ValueError(f"data_parallel_size_local must be in [1, data_parallel_size={dp}], got {local!r}")
+    if local is not None and local < dp:
+        raise ValueError(
+            f"multi-node data parallelism is not built yet: --data-parallel-size-local {local} < "
+            f"--data-parallel-size {dp} leaves {dp - local} replica(s) to other nodes, and kvtide has no "
+            f"headless engine that could join this server over --data-parallel-address / "
+            f"--data-parallel-rpc-port. Run all {dp} replicas on this node (drop --data-parallel-size-local), "
+            f"or one server per node behind an HTTP load balancer")
+
+
+@dataclasses.dataclass
+class ReplicaPlacement:
+    """Where one replica runs on this node."""
+
+    rank: int
+    cpu_affinity: list[int] | None = None
+    cpu_threads: int | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _usable_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _omp_threads() -> int | None:
+    with contextlib.suppress(ValueError):
+        value = int(os.environ.get("OMP_NUM_THREADS", ""))
+        if value >= 1:
+            return value
+    return None
+
+
+def _uses_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return device == "cuda" or torch.cuda.is_available()
+
+
+def plan_replicas(num_replicas: int, device: str, world_size: int = 1, cpu_threads_per_rank: int | None = None,
+                  cpus: Sequence[int] | None = None, visible_gpus: Sequence[str] | None = None,
+                  omp_threads: int | None = None) -> list[ReplicaPlacement]:
+    """Split this node between the replicas. CPU: consecutive, disjoint core slices (a replica's
+    torch threads then never compete with another's), threads = the slice (or
+    cpu_threads_per_rank, or fewer with OMP_NUM_THREADS). CUDA: world_size GPUs each."""
+    if device == "cuda":
+        gpus = list(visible_gpus or [])
+        needed = num_replicas * world_size
+        if len(gpus) < needed:
+            raise ValueError(f"data_parallel_size={num_replicas} replicas of {world_size} GPU(s) each need "
+                             f"{needed} GPUs; {len(gpus)} are visible")
+        return [ReplicaPlacement(r, env={"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * world_size:(r + 1) * world_size])})
+                for r in range(num_replicas)]
+    cpus = list(cpus if cpus is not None else _usable_cpus())
+    share = len(cpus) // num_replicas
+    placements = []
+    for r in range(num_replicas):
+        if share == 0:  # fewer cores than replicas: they share them all, one thread each
+            placements.append(ReplicaPlacement(r, None, 1))
+            continue
+        threads = cpu_threads_per_rank or share
+        if omp_threads is not None and cpu_threads_per_rank is None:
+            threads = min(threads, omp_threads)
+        # A multi-rank replica splits its slice between its ranks itself.
+        placements.append(ReplicaPlacement(r, cpus[r * share:(r + 1) * share], threads if world_size == 1 else None))
+    if share == 0:
+        logger.warning("%d data-parallel replicas on %d usable CPUs: they share the cores, one torch thread each",
+                       num_replicas, len(cpus))
+    return placements
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
+    """One engine's view of N replicas: counts summed, KV usage over all blocks. Per-replica
+    series (structured-output compile times, numbered per replica) keep replica 0's."""
+    if len(stats) == 1:
+        return stats[0]
+    total = SchedulerStats()
+    for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                 "num_used_blocks", "num_evictable_blocks", "num_blocks", "step_tokens"):
+        setattr(total, name, sum(getattr(s, name) for s in stats))
+    total.kv_cache_usage = total.num_used_blocks / total.num_blocks if total.num_blocks else \
+        sum(s.kv_cache_usage for s in stats) / len(stats)
+    for name in ("spec_decoding", "expert_load", "structured_output"):
+        present = [getattr(s, name) for s in stats if getattr(s, name) is not None]
+        setattr(total, name, _sum_nested(present) if present else None)
+    if total.structured_output is not None:
+        first = next(s.structured_output for s in stats if s.structured_output is not None)
+        total.structured_output["compile_seconds"] = first.get("compile_seconds", [])
+    return total
+
+
+def _sum_nested(values: list[Any]) -> Any:
+    """Sum numbers, and lists / dicts of them element-wise; anything else is taken from the first."""
+    first = values[0]
+    if isinstance(first, bool) or not isinstance(first, (int, float, list, dict)):
+        return first
+    if isinstance(first, (int, float)):
+        return sum(v for v in values if isinstance(v, (int, float)))
+    if isinstance(first, list):
+        if any(not isinstance(v, list) or len(v) != len(first) for v in values):
+            return first
+        return [_sum_nested([v[i] for v in values]) for i in range(len(first))]
+    keys = first.keys()
+    return {k: _sum_nested([v[k] for v in values if isinstance(v, dict) and k in v]) for k in keys}
+
+
+class DPEngineCoreClient:
+    """N EngineCoreClients behind EngineCoreClient's interface, balanced by DPLoadBalancer."""
+
+    def __init__(self, clients: list[EngineCoreClient], balancer: DPLoadBalancer) -> None:
+        assert clients and all(c.info is not None for c in clients)
+        self.clients = clients
+        self.balancer = balancer
+        first = clients[0].info
+        assert first is not None
+        self.info: EngineCoreInfo = dataclasses.replace(first, num_blocks=sum(c.info.num_blocks for c in clients))
+        self.dead_error: EngineDeadError | None = None
+        self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        for rank, client in enumerate(clients):
+            client.add_dead_listener(lambda error, rank=rank: self.mark_dead(f"data-parallel engine {rank}: {error}"))
+        loop = asyncio.get_running_loop()
+        self._readers = [loop.create_task(self._read(rank, c)) for rank, c in enumerate(clients)]
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.clients)
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.clients]
+
+    # ---- start / stop ------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0,
+                    engine_timeout_s: float | None = None,
+                    load_threshold: int = DEFAULT_LOAD_THRESHOLD) -> DPEngineCoreClient:
+        """Start data_parallel_size replicas of `engine_args` at once; wait until all are ready."""
+        check_data_parallel_args(engine_args)
+        num = engine_args.data_parallel_size
+        world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+        cuda = _uses_cuda(engine_args.device)
+        placements = plan_replicas(num, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
+                                   visible_gpus=_visible_gpus() if cuda else None, omp_threads=_omp_threads())
+        replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None,
+                                           data_parallel_address=None, data_parallel_rpc_port=None)
+        for p in placements:
+            logger.info("data-parallel engine %d: %s", p.rank,
+                        p.env.get("CUDA_VISIBLE_DEVICES") and f"GPUs {p.env['CUDA_VISIBLE_DEVICES']}"
+                        or f"CPUs {p.cpu_affinity or 'all'}, {p.cpu_threads or 'default'} torch threads")
+        results = await asyncio.gather(
+            *(EngineCoreClient.start(replica_args, startup_timeout_s, engine_timeout_s, dp_rank=p.rank,
+                                     cpu_threads=p.cpu_threads, cpu_affinity=p.cpu_affinity, env=p.env)
+              for p in placements), return_exceptions=True)
+        clients = [r for r in results if isinstance(r, EngineCoreClient)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for client in clients:
+                client.shutdown(timeout_s=2.0)
+            first = errors[0]
+            rank = results.index(first)
+            if isinstance(first, ValueError):
+                raise first
+            raise RuntimeError(f"data-parallel engine {rank}: {first}") from first
+        balancer = DPLoadBalancer(num, block_size=clients[0].info.block_size,
+                                  enable_prefix_affinity=engine_args.enable_prefix_caching,
+                                  load_threshold=load_threshold,
+                                  max_blocks_per_engine=[max(1, c.info.num_blocks) for c in clients])
+        return cls(clients, balancer)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every replica (all are asked first, so they exit together). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._readers:
+            task.cancel()
+        for client in self.clients:
+            client.request_shutdown()
+        for client in self.clients:
+            client.shutdown(timeout_s)
+
+    # ---- liveness ----------------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    def add_dead_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
+        self._dead_listeners.append(listener)
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_error is not None or self._closed:
+            return
+        logger.error("data-parallel engine is dead: %s", reason)
+        self.dead_error = EngineDeadError(reason)
+        self._outputs.put_nowait(_DEAD)
+        for listener in self._dead_listeners:
+            listener(self.dead_error)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("engine core shut down")
+
+    # ---- sending -----------------------------------------------------------------------------
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """One user request's engine-core requests (all n children): to one replica."""
+        self._check_alive()
+        if not requests:
+            return
+        ids = [r.request_id for r in requests]
+        first = requests[0]
+        rank = self.balancer.route(ids, first.prompt_token_ids, first.sampling_params.cache_salt)
+        try:
+            self.clients[rank].add_requests(requests)
+        except BaseException:
+            self.balancer.finish(ids)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        groups = self.balancer.group_by_engine(request_ids)
+        self.balancer.finish(request_ids)
+        for rank, ids in groups.items():
+            self.clients[rank].abort_requests(ids)
+
+    def stop_requests(self, request_ids: list[str]) -> None:
+        groups = self.balancer.group_by_engine(request_ids)
+        self.balancer.finish(request_ids)
+        for rank, ids in groups.items():
+            self.clients[rank].stop_requests(ids)
+
+    async def call_utility_each(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run `method` in every replica; their answers in rank order."""
+        self._check_alive()
+        return list(await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s)
+                                           for c in self.clients)))
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Broadcast `method` and combine the answers as one engine would give them."""
+        results = await self.call_utility_each(method, *args, timeout_s=timeout_s)
+        if method == "get_stats":
+            from kvtide.engine.serialization import stats_from_wire
+
+            return dataclasses.asdict(merge_stats([stats_from_wire(r) for r in results]))
+        if method == "reset_prefix_cache":
+            for rank, reset in enumerate(results):
+                if reset:
+                    self.balancer.forget_prefixes(rank)
+            return all(results)
+        if method == "num_steps":
+            return sum(results)
+        if method in ("ping", "check_integrity"):
+            return results[0]
+        return results
+
+    # ---- receiving ---------------------------------------------------------------------------
+    async def _read(self, rank: int, client: EngineCoreClient) -> None:
+        try:
+            while True:
+                self._outputs.put_nowait((rank, await client.get_output()))
+        except EngineDeadError:
+            pass  # its dead listener marked the whole engine dead
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("reader of data-parallel engine %d failed", rank)
+            self.mark_dead(f"data-parallel engine {rank}: reader failed: {type(e).__name__}: {e}")
+
+    async def get_output(self) -> OutputsMessage | AddErrorMessage:
+        """The next message of any replica; EngineDeadError once any replica is dead."""
+        self._check_alive()
+        item = await self._outputs.get()
+        if item is _DEAD:
+            self._outputs.put_nowait(_DEAD)  # for any other waiter
+            self._check_alive()
+        _, message = item
+        if isinstance(message, OutputsMessage):
+            done = [o.request_id for o in message.outputs if o.finished or o.error is not None]
+            if done:
+                self.balancer.finish(done)
+        elif isinstance(message, AddErrorMessage):
+            self.balancer.finish(message.request_ids)
+        return message
+
+    # ---- introspection -----------------------------------------------------------------------
+    def engine_summaries(self) -> list[dict[str, Any]]:
+        """Per replica: pid, requests held and routed (for /internal/stats and /metrics)."""
+        return [{"engine": rank, "pid": client.proc.pid, "num_requests": self.balancer.loads[rank],
+                 **dataclasses.asdict(self.balancer.counters[rank]),
+                 "prefix_index_blocks": len(self.balancer.indexes[rank])}
+                for rank, client in enumerate(self.clients)]
