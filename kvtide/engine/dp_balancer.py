@@ -226,6 +226,7 @@ class DPLoadBalancer:
 
     def finish(self, request_ids: Iterable[str]) -> None:
         """The requests left their engine (finished, stopped, aborted or refused). Idempotent."""
+        request_ids = list(request_ids)
         self.mark_scheduled(request_ids)
         for rid in request_ids:
             engine = self._owner.pop(rid, None)

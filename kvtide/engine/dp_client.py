@@ -349,6 +349,7 @@ class DPEngineCoreClient:
             self._check_alive()
         _, message = item
         if isinstance(message, OutputsMessage):
+            self.balancer.mark_scheduled(message.scheduled_at)
             done = [o.request_id for o in message.outputs if o.finished or o.error is not None]
             if done:
                 self.balancer.finish(done)
@@ -359,7 +360,8 @@ class DPEngineCoreClient:
     # ---- introspection -----------------------------------------------------------------------
     def engine_summaries(self) -> list[dict[str, Any]]:
         """Per replica: pid, requests held and routed (for /internal/stats and /metrics)."""
-        return [{"engine": rank, "pid": client.proc.pid, "num_requests": self.balancer.loads[rank],
+        return [{"engine": rank, "pid": client.proc.pid, "num_requests": self.balancer.held[rank],
+                 "num_waiting": self.balancer.waiting[rank], "load": self.balancer.loads[rank],
                  **dataclasses.asdict(self.balancer.counters[rank]),
                  "prefix_index_blocks": len(self.balancer.indexes[rank])}
                 for rank, client in enumerate(self.clients)]
