@@ -12,10 +12,11 @@ from kvtide.sampling_params import BeamSearchParams
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. " * 2, "a", "Hello, world"]
 
 
-LOGPROB_TOL = 1e-5
+LOGPROB_TOL = 1e-4
 """Steps scheduled ahead batch rows differently (a row computed for a request that just stopped,
-preemption at other steps), and a matmul's sums change with its row count: tokens stay equal,
-logprobs agree to float32 rounding."""
+preemption at other steps), and a matmul's sums change with its row count (on CPU even its kernel:
+cpu_gemm picks one per row-count bucket): tokens stay equal, logprobs agree within the project's
+1e-4 (measured up to 1.2e-5 on a Zen 5 EPYC, under 1e-5 on Zen 4)."""
 
 
 def outputs_of(llm: LLM, prompts, params) -> list:

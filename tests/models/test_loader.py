@@ -3,6 +3,7 @@ gets for an unsupported architecture or a damaged weights file."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -56,8 +57,9 @@ def test_bf16_checkpoint_runs_in_float32(checkpoint_factory, tmp_path):
     src = checkpoint_factory("Qwen2ForCausalLM", tie_word_embeddings=True)
     path = copy_checkpoint(src, str(tmp_path / "bf16"), skip_weights=True)
     model, _ = hf_model_and_tokenizer(src)
-    model.to(torch.bfloat16).save_pretrained(path)
-    model.to(torch.float32)  # the cached reference model stays float32
+    # a copy: a round trip of the cached reference model through bf16 would round its weights, and
+    # every later reference of this checkpoint in the session would be computed from those
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(path)
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     assert all(t.dtype == torch.bfloat16 for t in load_file(os.path.join(path, "model.safetensors")).values())
