@@ -7,7 +7,7 @@ replica is started and one offline workload run, and the table gives:
   startup   seconds from LLM(...) to ready (worker processes, process group, each rank's shard)
   out tok/s the workload's output throughput (all ranks share this machine's cores)
   per step  for rank 0 and each collective kind: calls, bytes sent, milliseconds inside the call
-  model     the bytes the communication model predicts for rank 0 over the run:
+  model     the bytes the communication model predicts for rank 0 over the run (dense models):
               TP all-reduce: (2 x layers of its stage + 1 embedding) x tokens x hidden x 4 x 2(n-1)/n
               PP send:       2 (hidden states, residual) x tokens x hidden x 4 per stage boundary
             (tokens: every prompt and output token computed once; prefix caching is off)
@@ -65,7 +65,7 @@ def predicted_rank0_bytes(config: dict, layout: dict, tokens: int) -> dict[str, 
     tp, pp = layout["tensor_parallel_size"], layout["pipeline_parallel_size"]
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     predicted = {}
-    if tp > 1:
+    if tp > 1 and not layout.get("enable_expert_parallel"):  # (EP: MoE layers exchange by all-to-all instead)
         _, stage_layers = split_evenly(layers, pp, 0)
         predicted["tp.all_reduce"] = (2 * stage_layers + 1) * tokens * hidden * 4 * 2 * (tp - 1) // tp
     if pp > 1:
@@ -87,7 +87,9 @@ def run_layout(model_dir: str, config: dict, name: str, args: argparse.Namespace
               kv_cache_memory="256MiB", cpu_threads_per_rank=threads if world > 1 else None, **layout)
     startup = time.perf_counter() - start
     try:
-        llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+        # warm-up: the same prompts through prefill and a few decode steps (first-use costs: kernel
+        # loads, per-shape GEMM choices), so no layout pays them inside the timed run
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4))
         executor = llm.engine.core.executor
         before = executor.comm_stats() if hasattr(executor, "comm_stats") else {}
         steps_before = llm.engine.core.num_steps
