@@ -28,7 +28,10 @@ import time
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
+# Ray reads this when imported: a single-node cluster then binds every server to 127.0.0.1 (by
+# default its GCS and raylet listen on all interfaces under the node's address).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray  # noqa: E402
 
 _SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
 if _SERVER_TESTS not in sys.path:
