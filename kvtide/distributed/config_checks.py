@@ -3,9 +3,12 @@ naming the constraint, raised before any process starts or any weight loads."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from kvtide.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
 
 EXECUTOR_BACKENDS = ("mp", "ray")
 
@@ -94,9 +97,7 @@ def _check_features(args, hf_config, arch: str, tp: int, pp: int, quant_config, 
         raise ValueError(f"{arch} is a mixture-of-experts model: with tensor_parallel_size > 1 pass "
                          f"--enable-expert-parallel (experts are split whole between the ranks)")
     if is_moe(hf_config) and pp > 2:
-        import logging
-
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "expert-load statistics of a pipeline of %d stages cover the first and last stages' layers only", pp)
     if args.kv_drop_policy is not None:
         raise ValueError("--kv-drop-policy does not combine with tensor or pipeline parallelism yet")

@@ -1,7 +1,7 @@
 """Which data-parallel engine (replica) serves a request: by load, and by prefix affinity.
 
     route(request ids, prompt token ids)
-      1. hash the prompt in whole KV blocks (chained, like the prefix cache's keys);
+      1. the prompt's whole KV blocks as the prefix cache keys them (kv_cache/prefix_cache.py);
       2. per engine, how many leading blocks it served before (its PrefixIndex, an LRU bounded by
          the engine's KV blocks, since the engine cannot keep more cached either);
       3. the engine with the longest match wins (ties: the least loaded, then round robin),
@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvtide.kv_cache.prefix_cache import get_hash_fn, hash_request_blocks
+
 DEFAULT_LOAD_THRESHOLD = 4
 """Load a prefix-matching engine may have beyond the least-loaded engine's and still be chosen (one
 more waiting request, or four more running). Within it a prefix hit (prefill skipped) is worth a
@@ -34,21 +36,17 @@ WAITING_WEIGHT = 4
 DEFAULT_MAX_BLOCKS_PER_ENGINE = 1 << 16
 """Block hashes remembered per engine when the engine's KV pool size is not known."""
 
-_ROOT = hash(("kvtide-dp", None))
+_HASH_FN = get_hash_fn("xxh128")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
-    """Chained hashes of the prompt's full blocks: block i's depends on every token before it, so
-    equal hashes mean equal prefixes (up to a 64-bit collision, which can only misroute). A salted
-    request never matches an unsalted one, as in the engine's prefix cache."""
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """The prefix cache's keys of the prompt's full blocks (kv_cache/prefix_cache.py: chained, so
+    block i's depends on every token before it, a salt in the first), as their hash values."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    parent = _ROOT if cache_salt is None else hash(("kvtide-dp", cache_salt))
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
+    keys: list = []
+    hash_request_blocks(_HASH_FN, token_ids, block_size, keys, cache_salt)
+    return [key.hash_value for key in keys]
 
 
 class PrefixIndex:
@@ -58,15 +56,15 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __contains__(self, block_hash: int) -> bool:
+    def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
 
-    def match(self, hashes: Sequence[int]) -> int:
+    def match(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of `hashes` this engine holds."""
         n = 0
         for h in hashes:
@@ -75,7 +73,7 @@ class PrefixIndex:
             n += 1
         return n
 
-    def insert(self, hashes: Iterable[int]) -> None:
+    def insert(self, hashes: Iterable[bytes]) -> None:
         """Record (or refresh) the blocks; the oldest go once over max_blocks."""
         blocks = self._blocks
         for h in hashes:
@@ -107,7 +105,7 @@ class Decision:
     engine: int
     matched_blocks: int
     by_affinity: bool
-    hashes: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class DPLoadBalancer:

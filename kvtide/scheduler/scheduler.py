@@ -120,7 +120,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
-        self._step_cap = 0
         self.pipeline_depth = 1
         """Pipeline parallelism (> 1): a request whose sampled token is still in flight is not
         scheduled again until it is reported (earlier stages cannot compute a step on a token they
@@ -254,8 +253,8 @@ class Scheduler:
         remaining = list(self.running)
         num_drafts: dict[str, int] = {}
         speculates = self.spec_policy is not None and self.spec_policy.speculates(len(self.running))
-        self._step_cap = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
-        while remaining and budget > 0 and len(num_scheduled) < self._step_cap:
+        max_requests = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
+        while remaining and budget > 0 and len(num_scheduled) < max_requests:
             request = remaining.pop(0)
             if self.pipeline_depth > 1 and request.num_output_placeholders:
                 scheduled_running.append(request)  # its next input is the token still in flight
@@ -294,7 +293,7 @@ class Scheduler:
         self.running = scheduled_running + remaining
 
         if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, max_requests)
 
         block_copies, rewritten = self.kv_cache_manager.take_block_copies()
         cached_reqs = self._send_in_full(cached_reqs, new_reqs, rewritten)
@@ -351,11 +350,11 @@ class Scheduler:
         return not self._pending_forks and not any(r.grammar is not None for r in self.running)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          new_reqs: list[NewRequestData]) -> int:
+                          new_reqs: list[NewRequestData], max_requests: int) -> int:
         compiling: list[Request] = []
         """Requests whose grammar is still compiling: they keep their place in the queue."""
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and len(num_scheduled) < self._step_cap:
+                and len(num_scheduled) < max_requests:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still to be reported
                 break

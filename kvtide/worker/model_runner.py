@@ -204,9 +204,9 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
         hidden = self._forward(inputs)
-        if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
-            return ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
+        if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
+            return output
         if mass is not None:
             output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
                                     for i, req_id in enumerate(inputs.order)}

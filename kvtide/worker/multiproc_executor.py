@@ -30,6 +30,7 @@ import zmq
 
 from kvtide.config import EngineConfig
 from kvtide.distributed import COMM_STATS, destroy_distributed
+from kvtide.engine import serialization
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.worker import wire
 from kvtide.worker.worker import free_port, init_rank, output_rank, threads_per_rank
@@ -153,7 +154,7 @@ class MultiprocExecutor:
         self._closing.set()
         for inbox in self._inboxes:
             try:
-                inbox.send(wire.encode(["shutdown"]), zmq.NOBLOCK)
+                inbox.send(serialization.encode(["shutdown"]), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for proc in self.workers:
@@ -185,7 +186,7 @@ class MultiprocExecutor:
 
     # ---- messages -----------------------------------------------------------------------------------
     def _broadcast(self, message: list[Any]) -> None:
-        data = wire.encode(message)
+        data = serialization.encode(message)
         for inbox in self._inboxes:
             inbox.send(data)
 
@@ -202,7 +203,7 @@ class MultiprocExecutor:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(replies) < expected:
             if self._outbox.poll(200):
-                message = wire.decode(self._outbox.recv())
+                message = serialization.decode(self._outbox.recv())
                 if message[0] == "error":
                     raise WorkerDiedError(f"worker rank {message[1]} failed:\n{message[2]}")
                 if message[0] != kind:

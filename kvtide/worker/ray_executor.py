@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from kvtide.config import EngineConfig
 from kvtide.distributed import COMM_STATS, destroy_distributed
+from kvtide.engine import serialization
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.worker import wire
 from kvtide.worker.multiproc_executor import STARTUP_TIMEOUT_S, SampledTokenRelay, WorkerDiedError
@@ -72,7 +73,7 @@ class RayWorker:
 
     def node(self) -> bytes:
         """Where this rank runs: ["node", rank, ip, pid, gpu ids]."""
-        return wire.encode(["node", self.rank, ray.util.get_node_ip_address(), os.getpid(),
+        return serialization.encode(["node", self.rank, ray.util.get_node_ip_address(), os.getpid(),
                             [str(g) for g in ray.get_gpu_ids()]])
 
     def prepare(self, engine_args_json: str, model_dir: str) -> bytes:
@@ -80,7 +81,7 @@ class RayWorker:
         with another kvtide fails here, fast, instead of leaving rank 0 waiting in the rendezvous."""
         def check() -> bytes:
             engine_config_from_args(json.loads(engine_args_json), model_dir)
-            return wire.encode(["prepared", self.rank])
+            return serialization.encode(["prepared", self.rank])
 
         return self._guard(check)
 
@@ -89,7 +90,7 @@ class RayWorker:
 
         def build() -> bytes:
             self.worker = Worker(json.loads(engine_args_json), model_dir, self.rank, init_method)
-            return wire.encode(self.worker.ready_message())
+            return serialization.encode(self.worker.ready_message())
 
         return self._guard(build)
 
@@ -97,8 +98,8 @@ class RayWorker:
         def run() -> bytes:
             if self.worker is None:
                 raise RuntimeError("the worker was not started")
-            reply = self.worker.handle(wire.decode(data))
-            return b"" if reply is None else wire.encode(reply)
+            reply = self.worker.handle(serialization.decode(data))
+            return b"" if reply is None else serialization.encode(reply)
 
         return self._guard(run)
 
@@ -113,7 +114,7 @@ class RayWorker:
         try:
             return fn()
         except BaseException:
-            reply = wire.encode(["error", self.rank, traceback.format_exc()])
+            reply = serialization.encode(["error", self.rank, traceback.format_exc()])
             threading.Timer(_EXIT_AFTER_ERROR_S, os._exit, (1,)).start()
             return reply
 
@@ -396,7 +397,7 @@ class RayExecutor:
 
     # ---- messages -----------------------------------------------------------------------------------
     def _broadcast(self, message: list[Any]) -> list[Any]:
-        data = wire.encode(message)
+        data = serialization.encode(message)
         return [actor.handle.remote(data) for actor in self.actors]
 
     def _gather(self, refs: list[Any], kind: str, timeout_s: float | None) -> list[list[Any]]:
@@ -416,7 +417,7 @@ class RayExecutor:
                     raise self._died(f"worker rank {rank} died: {type(e).__name__}: {e}") from e
                 if not data:
                     continue
-                message = wire.decode(data)
+                message = serialization.decode(data)
                 if message[0] == "error":
                     raise self._died(f"worker rank {message[1]} failed:\n{message[2]}")
                 if message[0] != kind:

@@ -1,5 +1,6 @@
 """SchedulerOutput and ModelRunnerOutput as msgpack (msgspec) for the worker ranks of a replica:
-builtins only on the wire, so no rank ever unpickles bytes it received.
+builtins only on the wire, so no rank ever unpickles bytes it received. Messages travel in the
+engine's envelope (engine/serialization.py `encode`/`decode`: a list whose first element names it).
 
 A structured-output step's grammar (matchers living in the engine core) does not cross: the rank
 in the engine-core process applies it, and the other ranks take its sampled tokens
@@ -18,18 +19,6 @@ from kvtide.scheduler.output import CachedRequestData, ModelRunnerOutput, NewReq
 
 _encoder = msgspec.msgpack.Encoder()
 _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-_decoder = msgspec.msgpack.Decoder()
-
-
-def encode(message: list[Any]) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode(data: bytes) -> list[Any]:
-    message = _decoder.decode(data)
-    if not isinstance(message, list) or not message or not isinstance(message[0], str):
-        raise ValueError(f"malformed worker message: {message!r:.200}")
-    return message
 
 
 def scheduler_output_to_wire(so: SchedulerOutput) -> dict[str, Any]:

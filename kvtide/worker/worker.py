@@ -29,6 +29,7 @@ from kvtide.distributed import (
     init_distributed,
     refuse_live_process_group,
 )
+from kvtide.engine import serialization
 from kvtide.worker import wire
 
 logger = logging.getLogger(__name__)
@@ -138,22 +139,22 @@ def run_worker_process(engine_args: dict[str, Any], model_dir: str, rank: int, i
     worker = None
     try:
         engine_config_from_args(engine_args, model_dir)  # a bad config or checkpoint fails here, before
-        outbox.send(wire.encode(["prepared", rank]))     # rank 0 waits in the rendezvous for this rank
+        outbox.send(serialization.encode(["prepared", rank]))     # rank 0 waits in the rendezvous for this rank
         worker = Worker(engine_args, model_dir, rank, init_method)
-        outbox.send(wire.encode(worker.ready_message()))
+        outbox.send(serialization.encode(worker.ready_message()))
         while True:
             if not inbox.poll(1000):
                 if os.getppid() != parent_pid:  # orphaned: the engine is gone
                     return
                 continue
-            message = wire.decode(inbox.recv())
+            message = serialization.decode(inbox.recv())
             if message[0] == "shutdown":
                 return
             reply = worker.handle(message)
             if reply is not None:
-                outbox.send(wire.encode(reply))
+                outbox.send(serialization.encode(reply))
     except BaseException:
-        outbox.send(wire.encode(["error", rank, traceback.format_exc()]))
+        outbox.send(serialization.encode(["error", rank, traceback.format_exc()]))
         outbox.close(linger=2000)
         os._exit(1)
     finally:
