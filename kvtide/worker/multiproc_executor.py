@@ -130,8 +130,11 @@ class MultiprocExecutor:
         self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
         try:
             output = self.runner.execute(scheduler_output)
-        except RuntimeError as e:  # a collective whose peer vanished
-            self._check_workers()
+        except RuntimeError as e:  # a collective whose peer vanished: name the rank once it is reaped
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                self._check_workers()
+                time.sleep(0.05)
             raise WorkerDiedError(f"a collective failed: {e}") from e
         if self.output_rank == 0:
             return lambda: output
