@@ -167,7 +167,14 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.cache_config.block_size,
                 num_blocks * executor.kv_bytes_per_block() / 2**20)
     info = model_info(args, model_dir, config)
-    return EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code)), info
+    connector = None
+    if config.kv_transfer_config is not None:
+        from kvtide.disagg.factory import make_kv_connector
+
+        connector = make_kv_connector(config.kv_transfer_config, executor.runner, config.model_config.model)
+        executor.runner.kv_connector = connector.worker
+    return EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code),
+                      connector), info
 
 
 def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = None) -> ModelInfo:

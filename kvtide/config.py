@@ -217,6 +217,8 @@ class EngineConfig:
     """kvtide.spec_decode.config.SpeculativeConfig, or None: no speculative decoding."""
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer_config: Any = None
+    """kvtide.disagg.config.KVTransferConfig, or None: the KV cache lives on the device only."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

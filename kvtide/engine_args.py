@@ -123,6 +123,15 @@ class EngineArgs:
     F.linear's rounding error; verdicts cached per machine). A packed kernel keeps a copy of the
     weight (auto: only when the copies fit in a quarter of free memory); on: a packed kernel
     wherever one is accurate, whatever the speed; off: F.linear always."""
+    kv_transfer_config: str | dict | None = None
+    """KV beyond the device pool, as JSON: {"kv_connector": "cpu_offload" | "redis" | "multi" | "p2p",
+    "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}: cpu_offload keeps blocks the pool evicts
+    in host memory, redis shares computed blocks between instances ("redis_url", "redis_ttl_s"), multi
+    stacks both, p2p hands a prefill instance's prompt KV to a decode instance ("kv_ip", "kv_port",
+    "kv_secret" or $KVTIDE_KV_SECRET). Fields: kvtide/disagg/config.py."""
+    kv_offload_memory: str | None = None
+    """Host memory for the cpu_offload/multi tier, e.g. '8GiB' (default 1GiB); alone, it turns
+    cpu_offload on."""
     tensor_parallel_size: int = 1
     """Ranks that split every layer's weights (attention heads by column, MLP by row; one all-reduce
     after each). Heads, and KV heads unless fewer than the ranks (then replicated), must divide."""
@@ -259,6 +268,7 @@ class EngineArgs:
         kv_policy = resolve_kv_policy(self, hf_config, backend)
         check_model_options(self, hf_config)
         parallel = resolve_parallel_config(self, hf_config, device, quant_config, speculative)
+        kv_transfer = self._resolve_kv_transfer(parallel, kv_policy)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:
@@ -285,9 +295,32 @@ class EngineArgs:
                                        enforce_eager=self.enforce_eager,
                                        cpu_weight_prepack=self.cpu_weight_prepack),
             speculative_config=speculative,
+            kv_transfer_config=kv_transfer,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             parallel_config=parallel,
         )
+
+    def _resolve_kv_transfer(self, parallel, kv_policy: dict):
+        """--kv-transfer-config / --kv-offload-memory, checked against the rest of the engine."""
+        from kvtide.disagg.config import parse_kv_transfer_config
+
+        offload = parse_size(self.kv_offload_memory) if self.kv_offload_memory is not None else None
+        config = parse_kv_transfer_config(self.kv_transfer_config, offload)
+        if config is None:
+            return None
+        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError("--kv-transfer-config needs a single-rank replica (tensor, pipeline and data parallel "
+                             "size 1): each rank would need its own connector half")
+        if config.kv_connector != "p2p" and not self.enable_prefix_caching:
+            raise ValueError(f"the {config.kv_connector} KV connector names blocks by their prefix-cache keys: "
+                             "it needs prefix caching (drop --no-enable-prefix-caching)")
+        if kv_policy["sliding_window"] is not None or kv_policy["kv_drop_policy"] is not None:
+            raise ValueError("KV connectors move whole prompts: they do not combine with sliding-window attention "
+                             "or --kv-drop-policy yet")
+        if self.calculate_kv_scales:
+            raise ValueError("KV connectors do not combine with --calculate-kv-scales (the scales are not part of "
+                             "a block's bytes)")
+        return config
 
     def replace(self, **kwargs) -> EngineArgs:
         return dataclasses.replace(self, **kwargs)

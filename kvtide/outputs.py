@@ -43,8 +43,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
+    """Prompt tokens whose KV came from the prefix cache (or a KV connector's tiers)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None
+    """What a KV connector returned as the request ended (a prefill instance's staged prompt)."""
 
 
 @dataclass

@@ -167,6 +167,10 @@ class SamplingParams:
     always decodes one token per step; its output is the same either way for greedy requests)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a schema, regex, choice or grammar (structured_output/)."""
+    kv_transfer_params: dict | None = None
+    """For a KV connector (kvtide/disagg/): {"do_remote_decode": true} asks a prefill instance to
+    stage the prompt's KV for a decode instance; the params it returns, sent to a decode instance,
+    let it load the prompt instead of computing it (vLLM's kv_transfer_params)."""
     # Filled by the engine: EOS of the model, so stop checks need no tokenizer.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -235,6 +239,8 @@ class SamplingParams:
             raise bad("cache_salt", "a non-empty string", self.cache_salt)
         if not isinstance(self.speculation, bool):
             raise bad("speculation", "a bool", self.speculation)
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", "an object", self.kv_transfer_params)
         self._verify_beam_search(bad)
 
     def _verify_beam_search(self, bad) -> None:

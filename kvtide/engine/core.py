@@ -51,9 +51,11 @@ class Executor(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor,
-                 load_tokenizer: Callable[[], Any] | None = None) -> None:
+                 load_tokenizer: Callable[[], Any] | None = None, kv_connector=None) -> None:
         self.config = config
         self.executor = executor
+        self.kv_connector = kv_connector
+        """Both halves of a KV connector (disagg/base.py): the scheduler's here, the runner's bound to it."""
         spec = config.speculative_config
         self.structured_output = StructuredOutputManager(
             load_tokenizer or _no_tokenizer, getattr(config.model_config.hf_config, "vocab_size", 0),
@@ -61,7 +63,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.model_config.max_model_len,
                                    SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
-                                   self.structured_output)
+                                   self.structured_output,
+                                   kv_connector.scheduler if kv_connector is not None else None)
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
         self._expert_load_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
@@ -149,6 +152,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.has_compiling_requests():
             self.structured_output.wait_for_compilation(0.05)  # instead of spinning on empty steps
+        if scheduler_output.is_empty and self.kv_connector is not None:
+            self.kv_connector.scheduler.wait(0.05)  # KV in transit
         return scheduler_output
 
     def _launch(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
@@ -213,6 +218,8 @@ class EngineCore:
             self._worker.shutdown(wait=True)
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 def _no_tokenizer():

@@ -18,6 +18,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None
+    """From a KV connector as the request ends (a prefill instance's handle on the staged prompt)."""
 
     @property
     def finished(self) -> bool:
@@ -44,4 +46,6 @@ class SchedulerStats:
     structured_output: dict | None = None
     """Structured output counters and recent compile times (structured_output/manager.py), None
     before the first constrained request."""
+    kv_connector: dict | None = None
+    """KV connector counters (disagg/base.py ConnectorStats), None without a connector."""
     extra: dict = field(default_factory=dict)

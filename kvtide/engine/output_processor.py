@@ -54,6 +54,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,6 +119,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.error is not None:
                 state.error = out.error
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if out.new_token_ids and state.first_token_time is None:
@@ -198,7 +201,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
-            num_cached_tokens=state.num_cached_tokens, metrics=metrics)
+            num_cached_tokens=state.num_cached_tokens, metrics=metrics, kv_transfer_params=state.kv_transfer_params)
 
     def _completion(self, seq: SequenceState, kind: RequestOutputKind) -> CompletionOutput | None:
         detok = seq.detokenizer

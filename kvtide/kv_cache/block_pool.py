@@ -15,7 +15,7 @@ chain it matched so far: a forged or colliding hash can then cost a hit, never w
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvtide.kv_cache.prefix_cache import BlockHash
 
@@ -51,6 +51,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.evict_listener: Callable[[int, BlockHash], None] | None = None
+        """Told (block id, key) as a published block is taken for reuse, before anyone writes it
+        (a KV connector's host-memory tier copies it out)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -126,6 +129,8 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self.evict_listener is not None:
+                self.evict_listener(block.block_id, block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
 

@@ -65,6 +65,9 @@ class SchedulerOutput:
     """request id -> draft slots among its scheduled tokens: the runner proposes up to that many
     drafts after the request's last token and verifies them in this step."""
 
+    kv_connector_metadata: Any = None
+    """The KV connector's work for this step (its worker half reads it), or None."""
+
     grammar: Any = None
     """Structured output: a GrammarStep (structured_output/step.py) with the matchers of the
     constrained requests sampling this step, or None when there are none."""
@@ -102,6 +105,8 @@ class ModelRunnerOutput:
     kv_block_mass: dict[str, list[float]] = field(default_factory=dict)
     """With the score drop policy: request id -> attention mass each of its blocks received this
     step (per block index, over every layer, head and query of the step)."""
+    kv_connector_output: Any = None
+    """A KV connector's KVConnectorOutput (disagg/base.py): requests whose kept blocks it copied out."""
     expert_load: dict | None = None
     """MoE models: this step's assignments per sparse layer and expert, and those the capacity cap
     skipped ({"layers", "tokens", "dropped"}; engine/expert_load.py); None for dense models."""

@@ -21,6 +21,12 @@ requests that sample (SchedulerOutput.grammar), and every emitted token advances
 matcher. Where the grammar then forces a continuation, those tokens are appended at once
 (jump-forward) and computed with the next step like a short prefill chunk.
 
+KV connectors (disagg/): a waiting request's prompt past its device prefix hit may exist outside
+the device (host memory, Redis, a prefill instance). The connector's scheduler half says how many
+tokens; they get blocks like the hits and count as computed, and the worker half loads them before
+the step's forward. A request whose KV is still in transit keeps its place in the queue. A finished
+request the connector is handing on keeps its blocks until the worker has copied them out.
+
 Forks: a request naming `fork_of` (the n > 1 / best_of siblings) is held until that sibling has
 computed the prompt, then shares its blocks (KVCacheManager.fork) and computes only the last prompt
 token; `fork_request` is also the hook beam search uses for its beams.
@@ -98,7 +104,7 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, spec_policy: SpecDecodePolicy | None = None,
-                 structured_output=None) -> None:
+                 structured_output=None, kv_connector=None) -> None:
         self.config = scheduler_config
         self.spec_policy = spec_policy
         self.structured_output = structured_output
@@ -117,6 +123,14 @@ class Scheduler:
                                                sink_tokens=cache_config.kv_sink_tokens,
                                                drop_budget=cache_config.kv_drop_budget
                                                if cache_config.kv_drop_policy == "score" else None)
+        self.kv_connector = kv_connector
+        """The scheduler half of a KV connector (disagg/base.py), or None."""
+        self._kept_for_connector: dict[str, Request] = {}
+        """Finished requests whose blocks stay until the connector's worker half has copied them."""
+        if kv_connector is not None:
+            kv_connector.bind(self.kv_cache_manager)
+            if kv_connector.wants_evictions:
+                self.kv_cache_manager.pool.evict_listener = kv_connector.block_evicted
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -153,6 +167,8 @@ class Scheduler:
         if self.config.max_waiting_requests is not None and \
                 len(self.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        if self.kv_connector is not None:
+            self.kv_connector.check_request(request)
 
     def add_request(self, request: Request) -> None:
         self.check_request(request)
@@ -180,13 +196,23 @@ class Scheduler:
             self._free_request(request)
         return [r.request_id for r in ended]
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict | None:
+        """Release an ended request; returns the KV connector's kv_transfer_params for it, if any."""
+        params = None
+        keep = False
+        if self.kv_connector is not None:
+            keep, params = self.kv_connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if keep:
+            self._kept_for_connector[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         self.requests.pop(request.request_id, None)
         self._send_full.discard(request.request_id)
         self._num_prompt_logprobs_sent.pop(request.request_id, None)
         self._release_pending_forks(request)
+        return params
 
     # ---- forks -----------------------------------------------------------------------------
     def fork_request(self, parent: Request, child: Request) -> None:
@@ -235,7 +261,8 @@ class Scheduler:
         return kept
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self._kept_for_connector) \
+            or (self.kv_connector is not None and self.kv_connector.has_pending_work())
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -316,6 +343,8 @@ class Scheduler:
                 # The runner samples here; until that token is reported it counts as known.
                 request.num_output_placeholders += 1
                 output.sampling_req_ids.add(req_id)
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
         if self.structured_output is not None and self.structured_output.stats.num_constrained_requests:
             output.grammar = self.structured_output.grammar_step(
                 [self.requests[r] for r in output.sampling_req_ids])
@@ -353,6 +382,8 @@ class Scheduler:
                           new_reqs: list[NewRequestData], max_requests: int) -> int:
         compiling: list[Request] = []
         """Requests whose grammar is still compiling: they keep their place in the queue."""
+        in_transit: list[Request] = []
+        """Requests whose KV a connector is still receiving: likewise."""
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(num_scheduled) < max_requests:
             request = self.waiting.peek()
@@ -366,24 +397,33 @@ class Scheduler:
                 self._fail_grammar(request)
                 continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            num_external = 0
+            if self.kv_connector is not None:
+                num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                if num_external is None:  # its KV is in transit: it keeps its place, others go first
+                    in_transit.append(self.waiting.pop())
+                    continue
+            num_new = request.num_tokens - num_hit_tokens - num_external
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_external, hits, num_hit_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_hit_tokens + num_external
             request.num_computed_tokens = num_hit_tokens
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(request, num_external)
+                request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             self._send_full.discard(request.request_id)
             new_reqs.append(self._new_request_data(request))
-        for request in reversed(compiling):
+        for request in reversed(compiling + in_transit):
             self.waiting.add_front(request)
         return budget
 
@@ -429,6 +469,11 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._grammar_failures = self._grammar_failures, []
+        if self.kv_connector is not None:
+            for req_id in self.kv_connector.update_connector_output(runner_output.kv_connector_output):
+                request = self._kept_for_connector.pop(req_id, None)
+                if request is not None:
+                    self.kv_cache_manager.free(request)
         for req_id, mass in runner_output.kv_block_mass.items():  # the score drop policy's history
             self.kv_cache_manager.add_block_mass(req_id, mass)
         load = runner_output.expert_load
@@ -492,8 +537,11 @@ class Scheduler:
             self.running = [r for r in self.running if r not in stopped_set]
             if requeued & stopped_set:
                 self.waiting.remove(requeued & stopped_set)
+            finals = {out.request_id: out for out in outputs if out.finished}
             for request in stopped:
-                self._free_request(request)
+                params = self._free_request(request)
+                if params is not None and request.request_id in finals:
+                    finals[request.request_id].kv_transfer_params = params
         return outputs
 
     def _check_grammar(self, request: Request, out: EngineCoreOutput) -> bool:
@@ -568,7 +616,8 @@ class Scheduler:
             num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None,
             expert_load=self.expert_load.as_dict() if self.expert_load is not None else None,
             structured_output=self.structured_output.stats.as_dict()
-            if self.structured_output is not None and self.structured_output.stats.num_constrained_requests else None)
+            if self.structured_output is not None and self.structured_output.stats.num_constrained_requests else None,
+            kv_connector=self.kv_connector.stats.as_dict() if self.kv_connector is not None else None)
 
 
 class QueueFullError(ValueError):

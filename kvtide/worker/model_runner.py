@@ -114,6 +114,8 @@ class ModelRunner:
 
             self.spec = SpecDecodeWorker(config, self.model, self.device)
         apply_attention_window(self._cached_attention_layers(), config.cache_config)
+        self.kv_connector = None
+        """A KV connector's worker half (disagg/base.py), set once the caches exist, or None."""
         self.moe_layers = moe_layers(self.model)
         """(decoder layer index, FusedMoE) of each sparse layer: their expert load is reported per step."""
         for _, moe in self.moe_layers:
@@ -187,9 +189,21 @@ class ModelRunner:
         return caches
 
     # ---- the step ----------------------------------------------------------------------------
+    def kv_block_io(self):
+        """Whole-block access to every cached layer, for a KV connector (disagg/block_io.py)."""
+        from kvtide.disagg.block_io import KVBlockIO
+
+        layers = self._cached_attention_layers()
+        shapes = [lambda n, a=a: layer_cache_shape(a, self.attention_backend, n, self.block_size) for a in layers]
+        return KVBlockIO([a.kv_cache for a in layers], shapes,
+                         f"{self.attention_backend.name}|{self.kv_cache_format}|{self.block_size}")
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        connector = self.kv_connector
+        if connector is not None:  # before copy-on-write: an evicted block may be a copy's target
+            connector.start_load_kv(so.kv_connector_metadata)
         if so.block_copies:  # copy-on-write of blocks shared after a fork, before anything writes
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*so.block_copies, strict=True))
             for cache in self.kv_caches:
@@ -197,7 +211,8 @@ class ModelRunner:
             for attn, cache in self._own_layout_caches:
                 attn.copy_blocks(cache, src, dst)
         if so.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=connector.save_kv(
+                so.kv_connector_metadata) if connector is not None else None)
         drafts = self.spec.propose(so, self.requests) if self.spec is not None and so.num_draft_tokens else {}
         if so.grammar is not None and drafts:  # structured output: drafts the grammar forbids are cut
             drafts = so.grammar.check_drafts(drafts, keep=self.spec.sampled_draft_ids(drafts))
@@ -205,6 +220,8 @@ class ModelRunner:
         mass = self._score_accumulator(inputs.metadata)
         hidden = self._forward(inputs)
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
+        if connector is not None:
+            output.kv_connector_output = connector.save_kv(so.kv_connector_metadata)
         if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
             return output
         if mass is not None:

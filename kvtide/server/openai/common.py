@@ -112,6 +112,9 @@ class SamplingRequest(OpenAIBaseModel):
     """Prefix-cache tenant key: requests with different salts never share cached KV."""
     speculation: bool = True
     """On a server with a speculative config, false decodes this request without draft tokens."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """For a KV connector: {"do_remote_decode": true} on a prefill instance; the params its response
+    returned, on a decode instance (kvtide/disagg/p2p.py)."""
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -119,6 +122,14 @@ class SamplingRequest(OpenAIBaseModel):
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def response_body(response: BaseModel) -> dict[str, Any]:
+    """A non-streamed response as JSON, without kv_transfer_params unless a KV connector set them."""
+    body = response.model_dump()
+    if body.get("kv_transfer_params") is None:
+        body.pop("kv_transfer_params", None)
+    return body
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
@@ -170,7 +181,7 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
             cache_salt=request.cache_salt, speculation=request.speculation,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, kv_transfer_params=request.kv_transfer_params)
     except ValueError as e:
         raise from_engine_error(e) from e
 

@@ -120,3 +120,6 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill instance's handle on the prompt it staged for a decode instance (KV connectors);
+    left out of the JSON when there is none."""

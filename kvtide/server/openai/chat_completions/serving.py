@@ -42,6 +42,7 @@ from kvtide.server.openai.common import (
     first_and_rest,
     merge_streams,
     resolve_max_tokens,
+    response_body,
     safe_float,
     sse,
     top_entries,
@@ -249,8 +250,10 @@ class ChatServing:
                        outputs: _ChoiceOutputs) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
         cached_tokens = 0
+        kv_transfer_params = None
         async for _, output in stream:
             cached_tokens = output.num_cached_tokens
+            kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
                 choice = choices.setdefault(completion.index, _Choice())
                 choice.text.append(completion.text)
@@ -269,8 +272,9 @@ class ChatServing:
                 finish_reason=assembler.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
         response = ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=model, choices=response_choices,
-            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()), cached_tokens))
-        return response.model_dump()
+            usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()), cached_tokens),
+            kv_transfer_params=kv_transfer_params)
+        return response_body(response)
 
     # ---- streamed --------------------------------------------------------------------------
     async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], request: ChatCompletionRequest,

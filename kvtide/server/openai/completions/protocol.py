@@ -58,6 +58,9 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill instance's handle on the prompt it staged for a decode instance (KV connectors);
+    left out of the JSON when there is none."""
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump()

@@ -28,6 +28,7 @@ from kvtide.server.openai.common import (
     first_and_rest,
     merge_streams,
     resolve_max_tokens,
+    response_body,
     safe_float,
     sse,
     top_entries,
@@ -114,8 +115,10 @@ class CompletionServing:
                        response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
         cached_tokens: dict[int, int] = {}
+        kv_transfer_params = None
         async for prompt_index, output in merged:
             cached_tokens[prompt_index] = output.num_cached_tokens
+            kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
                 choice = choices.setdefault(prompt_index * request.n + completion.index, _Choice())
                 choice.text.append(completion.text)
@@ -131,8 +134,8 @@ class CompletionServing:
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for i, c in sorted(choices.items())],
             usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()),
-                               sum(cached_tokens.values())))
-        return response.model_dump()
+                               sum(cached_tokens.values())), kv_transfer_params=kv_transfer_params)
+        return response_body(response)
 
     def _logprobs(self, completion: CompletionOutput, k: int, into: CompletionLogprobs | None,
                   text_offset: int) -> CompletionLogprobs:

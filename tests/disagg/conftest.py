@@ -1,0 +1,50 @@
+"""A real redis-server per session, on 127.0.0.1 at a free port, in a temporary directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
+if _SERVER_TESTS not in sys.path:
+    sys.path.insert(0, _SERVER_TESTS)
+
+from serve_helpers import free_port  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is not installed (.ci/run installs the redis-server package)"
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir),
+                             "--save", "", "--appendonly", "no", "--maxmemory", "512mb",
+                             "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    client.close()
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
