@@ -249,6 +249,8 @@ class P2PScheduler(KVConnectorScheduler):
         self._staging: set[str] = set()
         """Requests whose blocks are kept until the worker has staged them."""
         self._loads: list[tuple[int, bytes]] = []
+        self._pulled: set[str] = set()
+        """Requests whose pull is over (loaded or failed): never pulled again."""
 
     # ---- requests ----------------------------------------------------------------------------
     def check_request(self, request) -> None:
@@ -264,7 +266,7 @@ class P2PScheduler(KVConnectorScheduler):
     def _wants_pull(self, request) -> bool:
         params = request.sampling_params.kv_transfer_params
         return bool(self.config.is_consumer and params and params.get("do_remote_prefill")
-                    and request.num_preemptions == 0)
+                    and request.request_id not in self._pulled)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         if not self._wants_pull(request):
@@ -285,21 +287,23 @@ class P2PScheduler(KVConnectorScheduler):
             self._pulls.pop(request.request_id)
             self.stats.transfer_failures += 1
             logger.warning("KV transfer for request %s failed (%s); computing its prompt here", request.request_id, e)
-            request.sampling_params.kv_transfer_params = None
+            self._pulled.add(request.request_id)
             return 0
         usable = min(len(token_ids), request.num_tokens - 1, len(payloads) * self.block_size)
         if token_ids[:usable] != request.all_token_ids[:usable]:
             self._pulls.pop(request.request_id)
             self.stats.transfer_failures += 1
             logger.warning("KV transfer for request %s holds another prompt; computing it here", request.request_id)
-            request.sampling_params.kv_transfer_params = None
+            self._pulled.add(request.request_id)
             return 0
         return max(usable - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request, num_external_tokens: int) -> None:
         future = self._pulls.pop(request.request_id, None)
-        request.sampling_params.kv_transfer_params = None  # loaded once; a preempted request computes
-        if future is None or not num_external_tokens:
+        if future is None:
+            return
+        self._pulled.add(request.request_id)  # loaded once: if preempted, the request computes its prompt
+        if not num_external_tokens:
             return
         _, payloads = future.result()
         start = request.num_computed_tokens // self.block_size
@@ -309,6 +313,7 @@ class P2PScheduler(KVConnectorScheduler):
         self.stats.hit_tokens["p2p"] = self.stats.hit_tokens.get("p2p", 0) + num_external_tokens
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._pulled.discard(request.request_id)
         future = self._pulls.pop(request.request_id, None)
         if future is not None:
             future.cancel()
