@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 
@@ -32,10 +33,10 @@ class KVBlockIO:
         if not block_ids:
             return []
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].device)
-        per_layer = [cache.index_select(axis, index).movedim(axis, 0).contiguous().cpu().view(torch.uint8)
-                     .reshape(len(block_ids), -1).numpy()
-                     for cache, axis in zip(self.caches, self.axes, strict=True)]
-        return [b"".join(layer[i].tobytes() for layer in per_layer) for i in range(len(block_ids))]
+        joined = torch.cat([cache.index_select(axis, index).movedim(axis, 0).reshape(len(block_ids), -1)
+                            .view(torch.uint8) for cache, axis in zip(self.caches, self.axes, strict=True)], dim=1)
+        rows = joined.cpu().numpy()
+        return [rows[i].tobytes() for i in range(len(block_ids))]
 
     def write(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Put each payload (as `read` made it) into its block."""
@@ -43,7 +44,7 @@ class KVBlockIO:
             return
         assert all(len(p) == self.block_bytes for p in payloads), "payload size does not match this layout"
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].device)
-        joined = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), -1)
+        joined = torch.from_numpy(np.stack([np.frombuffer(p, dtype=np.uint8) for p in payloads]))
         offset = 0
         for cache, axis, size in zip(self.caches, self.axes, self.layer_bytes, strict=True):
             part = joined[:, offset:offset + size].contiguous().view(cache.dtype)
