@@ -1,0 +1,142 @@
+"""Prefill/decode disaggregation with real parts: a kv_producer and a kv_consumer `kvtide serve`
+(the p2p connector) behind a real `kvtide router --prefill P --decode D`.
+
+Greedy outputs through the pair equal a direct request's, streamed and not; the decode instance
+loads the prompts instead of computing them; a prefill instance killed mid-run costs computation or
+errors, never a hang; no KV block is left held on either side."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+_ROUTER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "router")
+if _ROUTER_TESTS not in sys.path:
+    sys.path.insert(0, _ROUTER_TESTS)
+
+from router_helpers import (  # noqa: E402
+    MODEL_NAME,
+    kill_server,
+    metric_value,
+    sse_events,
+    start_router,
+    start_server,
+    wait_idle,
+    wait_ready,
+)
+
+FLAGS = ["--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
+SECRET = {"KVTIDE_KV_SECRET": "pd-test-secret"}
+
+
+def p2p(role: str) -> list[str]:
+    return ["--kv-transfer-config", '{"kv_connector": "p2p", "kv_role": "%s", "kv_transfer_timeout_s": 5}' % role]
+
+
+@pytest.fixture(scope="module")
+def pd(llama_dir):
+    handles = [start_server(llama_dir, *FLAGS, *p2p(role), api_key=None, env=SECRET)
+               for role in ("kv_producer", "kv_consumer")]
+    router = None
+    try:
+        producer, consumer = (wait_ready(h) for h in handles)
+        router = start_router("--prefill", producer.base_url, "--decode", consumer.base_url,
+                              "--health-check-interval", "0.5")
+        yield producer, consumer, router
+    finally:
+        if router is not None:
+            router.stop()
+        for h in handles:
+            h.stop()
+
+
+def requests_mix(n: int) -> list[dict]:
+    rng = random.Random(7)
+    words = "alpha beta gamma delta kv cache block prefill decode router token stream".split()
+    out = []
+    for i in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))
+        body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": rng.randint(4, 12), "ignore_eos": True}
+        if i % 3 == 2:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        body["stream"] = i % 2 == 1
+        out.append(body)
+    return out
+
+
+def send(base_url: str, body: dict, timeout: float = 120.0) -> tuple[int, str]:
+    """(status, generated text) of one request, streamed or not."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if not body["stream"]:
+        r = httpx.post(base_url + path, json=body, timeout=timeout)
+        if r.status_code != 200:
+            return r.status_code, r.text
+        choice = r.json()["choices"][0]
+        return 200, choice.get("text") if "text" in choice else choice["message"]["content"]
+    with httpx.stream("POST", base_url + path, json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            return r.status_code, r.read().decode()
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    return 200, "".join((c.get("text") or (c.get("delta") or {}).get("content") or "")
+                        for e in events[:-1] if isinstance(e, dict) for c in e["choices"])
+
+
+def test_pd_pair_outputs_equal_a_single_instance(pd):
+    producer, consumer, router = pd
+    bodies = requests_mix(50)
+    # The reference: each request alone on the decode instance (salted, so it computes the prompt).
+    want = [send(consumer.base_url, {**b, "stream": False, "cache_salt": "reference"}) for b in bodies]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda b: send(router.base_url, b), bodies))
+    assert got == want
+    stats = wait_idle(consumer)
+    assert stats["kv_connector"]["hit_tokens"]["p2p"] > 0
+    assert stats["kv_connector"]["transfer_failures"] == 0
+    assert stats["num_used_blocks"] == 0
+    producer_stats = wait_idle(producer)
+    assert producer_stats["kv_connector"]["staged_requests"] == 50
+    assert producer_stats["num_used_blocks"] == 0
+    text = router.metrics()
+    assert metric_value(text, "kvtide_router_pd_prefill_fallbacks_total") == 0
+    assert metric_value(text, "kvtide_router_pd_prefill_seconds_count") >= 50
+
+
+def test_usage_reports_the_transferred_prompt_as_cached(pd):
+    _, _, router = pd
+    body = {"model": MODEL_NAME, "prompt": "cached tokens through the pair " * 8, "max_tokens": 4,
+            "temperature": 0.0}
+    r = httpx.post(router.url("/v1/completions"), json=body, timeout=60.0)
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert "kv_transfer_params" not in r.json()  # the producer's handle stays between the router and the pair
+
+
+def test_killing_the_prefill_instance_mid_run_never_hangs(pd):
+    producer, consumer, router = pd
+    bodies = requests_mix(16)
+    want = [send(consumer.base_url, {**b, "stream": False, "cache_salt": "reference-2"}) for b in bodies]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(send, router.base_url, b) for b in bodies]
+        time.sleep(0.5)
+        kill_server(producer)
+        start = time.monotonic()
+        results = [f.result(timeout=120) for f in futures]
+    assert time.monotonic() - start < 120
+    for (status, text), (_, expected) in zip(results, want, strict=True):
+        assert status == 200 and text == expected or status >= 500, (status, text)
+    assert sum(status == 200 for status, _ in results) >= len(bodies) // 2
+    # With no prefill instance left the router sends requests to the decode instance whole.
+    status, text = send(router.base_url, {**bodies[0], "stream": False})
+    assert (status, text) == want[0]
+    assert metric_value(router.metrics(), "kvtide_router_pd_prefill_fallbacks_total") >= 1
+    assert wait_idle(consumer)["num_used_blocks"] == 0
