@@ -3,7 +3,8 @@
     run_server(engine_args, settings, host, port)
       1. AsyncLLM.from_engine_args: spawn the engine-core process (--data-parallel-size N: N of
          them, requests balanced between them), wait until it is ready
-      2. build_app: routes (openai/*, the chat page ui/), exception handlers, the guard middleware
+      2. build_app: routes (openai/*, their WebSocket twins, the chat page ui/), exception
+         handlers, the guard middleware and, with --api-keys-file, the per-key quotas inside it
       3. serve with uvicorn until one of:
            SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
                               --shutdown-timeout; then they end with an error), stop; exit 0
@@ -34,11 +35,13 @@ from kvtide.engine.dp_client import merge_stats
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvtide.server.middleware import ServerGuardMiddleware
+from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
+from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
+from kvtide.server.quotas import QuotaMiddleware
 from kvtide.server.state import ServerSettings, ServerState, get_state
 from kvtide.server.ui.api_router import router as ui_router
 
@@ -57,6 +60,7 @@ def build_app(state: ServerState) -> Any:
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(tokenize_router)
+    app.include_router(websocket_router)
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
@@ -118,7 +122,13 @@ def build_app(state: ServerState) -> Any:
         _add_admin_routes(app)
     if state.settings.enable_ui:
         app.include_router(ui_router)
-    return ServerGuardMiddleware(app, state)
+    inner: Any = app
+    if state.settings.api_keys is not None:
+        # Inside the guard: draining, header and body limits come first; the guard checks the key
+        # only on the paths the quotas skip.
+        inner = QuotaMiddleware(app, state.settings.api_keys, registry=state.metrics.registry,
+                                exempt_paths=QUOTA_EXEMPT_PATHS)
+    return ServerGuardMiddleware(inner, state)
 
 
 def _add_admin_routes(app: FastAPI) -> None:
@@ -211,7 +221,9 @@ async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int
         config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",
                                 timeout_graceful_shutdown=2, timeout_keep_alive=5,
                                 # Headers up to 4x our limit reach the middleware (431 as JSON).
-                                h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES)
+                                h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES,
+                                # A WebSocket's request message is a body: the same limit (close 1009).
+                                ws_max_size=settings.max_request_body)
         server = _UvicornServer(config, lifecycle)
         lifecycle.server = server
         logger.info("serving %s on http://%s:%d", settings.served_model_names[0], host, port)

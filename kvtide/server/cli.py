@@ -4,6 +4,18 @@
     kvtide serve path/to/model.Q4_K_M.gguf
     kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
     kvtide serve ./my-llama --data-parallel-size 2     # two engine replicas, requests balanced
+    kvtide serve ./my-llama --api-keys-file keys.json  # per-key keys and limits (below)
+
+/v1/chat/completions and /v1/completions also answer WebSockets on the same paths: send the POST's
+JSON body as one text message; each SSE event's JSON comes back as one message, then "[DONE]".
+
+--api-keys-file is JSON, each limit optional (absent or null: unlimited), per minute over a
+sliding 60 s window; name labels the key's metrics (kvtide:quota_requests_total{key_name,
+outcome}, kvtide:quota_tokens_total, kvtide:quota_inflight; default: a hash prefix, never the key):
+
+    {"keys": [{"key": "sk-a", "name": "team-a", "requests_per_minute": 60,
+               "tokens_per_minute": 100000, "max_concurrent": 4},
+              {"key": "sk-b"}]}
 
 Engine flags are EngineArgs' (vLLM's names); the server's own are below.
 """
@@ -15,6 +27,7 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
@@ -25,6 +38,9 @@ from kvtide.server import limits
 from kvtide.server.output_parsers import check_flags
 from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
 from kvtide.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from kvtide.server.quotas import ApiKeys
 
 
 def register(subparsers) -> None:
@@ -39,6 +55,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and the chat "
                         "page GET / (default: $KVTIDE_API_KEY)")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="JSON file of API keys, each with optional requests_per_minute, tokens_per_minute "
+                        "and max_concurrent limits (format above); over a limit: 429 with Retry-After. "
+                        "With --api-key too, a request passes with either, and --api-key's key has no "
+                        "limits. Checked before the model loads")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: MODEL)")
     p.add_argument("--chat-template", default=None,
@@ -94,8 +115,9 @@ def run_serve(args: argparse.Namespace) -> int:
     check_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     check_data_parallel_args(engine_args)
     _check_port_free(args.host, args.port)
-    settings = ServerSettings(served_model_names=args.served_model_name or [model],
-                              api_key=args.api_key or os.environ.get("KVTIDE_API_KEY") or None,
+    api_key = args.api_key or os.environ.get("KVTIDE_API_KEY") or None
+    settings = ServerSettings(served_model_names=args.served_model_name or [model], api_key=api_key,
+                              api_keys=_load_api_keys(args.api_keys_file, api_key),
                               chat_template=read_chat_template(args.chat_template),
                               max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
                               engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
@@ -114,6 +136,26 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+API_KEY_NAME = "--api-key"
+"""key_name of --api-key's key in the quota metrics when --api-keys-file is given too."""
+
+
+def _load_api_keys(path: str | None, api_key: str | None) -> ApiKeys | None:
+    """--api-keys-file, with --api-key's key added without limits; ValueError (exit 2) if bad."""
+    if path is None:
+        return None
+    from kvtide.server.quotas import load_api_keys
+
+    api_keys = load_api_keys(path)
+    if api_key is None:
+        return api_keys
+    if api_keys.lookup(api_key) is not None:
+        raise ValueError(f"--api-key is also a key of --api-keys-file {path}: drop one of them")
+    if API_KEY_NAME in api_keys.names:
+        raise ValueError(f"--api-keys-file {path}: the name {API_KEY_NAME!r} is reserved for --api-key's key")
+    return api_keys.with_key(api_key, API_KEY_NAME)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -24,6 +24,11 @@ sent each replica), data_parallel_prefix_affinity_requests{engine} (those a pref
 data_parallel_engine_requests{engine} (engine-core requests each holds now) and
 data_parallel_engine_running / _waiting{engine} (its own scheduler's counts) show the split.
 
+Per-key quotas (--api-keys-file, server/quotas.py registers them in this registry):
+quota_requests_total{key_name, outcome} (admitted, rejected_requests, rejected_tokens,
+rejected_concurrency; unauthorized under key_name "unknown"), quota_tokens_total{key_name} and
+quota_inflight{key_name}, labelled by the key's name, never by the key.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached

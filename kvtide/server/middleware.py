@@ -1,11 +1,20 @@
-"""The gate every HTTP request passes (a plain ASGI middleware: it never buffers responses, so
-streaming and disconnect detection are untouched).
+"""The gate every HTTP request and WebSocket passes (a plain ASGI middleware: it never buffers
+responses, so streaming and disconnect detection are untouched).
 
     /health ─────────────────────────────────────────────────────────────▶ app (answers 200/503)
     other   ─▶ 503 draining/dead ─▶ 431 header size ─▶ 401 key ─▶ 413 body size ─▶ count in flight ─▶ app
 
 `GET /` (the chat page, unless --no-ui) skips only the key check: the page holds no secret, and
 asks for the key before it calls the API.
+
+The key check: with --api-key alone, that key. With --api-keys-file, the per-key QuotaMiddleware
+(server/quotas.py, installed inside this one) checks the key of every route it limits (the
+--api-key key passes there as an unlimited entry); this gate then checks only the routes the
+quotas skip (QUOTA_EXEMPT_PATHS: /metrics, and the chat page's path), accepting either key.
+
+A WebSocket (`websocket` scope) is refused by accepting it, sending the error's OpenAI JSON as one
+text message and closing: code 1013 (try again later) while draining or dead, 1008 (policy) for a
+missing or wrong key or oversized headers. Accepted, it counts as in flight until it closes.
 
 The body is read here, up to --max-request-body bytes (Content-Length is checked first, then the
 bytes actually received), and replayed to the app; after it, `receive` is the server's again, so
@@ -34,6 +43,13 @@ UI_PAGE = ("GET", "/")
 """(method, path) of the chat page: served without the API key while the UI is enabled."""
 UNCOUNTED_PATHS = ("/health", "/metrics")
 """Not counted as requests in flight (a drain does not wait for scrapes)."""
+QUOTA_EXEMPT_PATHS = ("/health", "/metrics", "/")
+"""Paths the per-key quotas (--api-keys-file) neither limit nor authenticate: this gate does."""
+
+WS_CLOSE_POLICY = 1008
+"""WebSocket close code for a refused key, oversized headers or an invalid request."""
+WS_CLOSE_TRY_AGAIN_LATER = 1013
+"""WebSocket close code while the server drains or its engine is dead, and over a quota."""
 
 
 class _BodyTooLarge(Exception):
@@ -50,18 +66,21 @@ class ServerGuardMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] in UNGUARDED_PATHS:
             await self.app(scope, receive, send)
             return
         error = self._check_headers(scope)
         if error is not None:
-            await _send_error(send, error)
+            await send_error(send, error)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             try:
                 body = await _read_body(receive, self.state.settings.max_request_body)
             except _BodyTooLarge:
-                await _send_error(send, _too_large(self.state.settings.max_request_body))
+                await send_error(send, _too_large(self.state.settings.max_request_body))
                 return
             except _ClientGone:
                 return
@@ -76,6 +95,20 @@ class ServerGuardMiddleware:
             if counted:
                 self.state.num_inflight -= 1
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The same gate for a WebSocket, before it is accepted (the body limit applies to its
+        message: see openai/websocket.py)."""
+        error = self._check_headers(scope)
+        if error is not None:
+            code = WS_CLOSE_TRY_AGAIN_LATER if error.status == 503 else WS_CLOSE_POLICY
+            await reject_websocket(receive, send, error, code)
+            return
+        self.state.num_inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_inflight -= 1
+
     def _check_headers(self, scope: Scope) -> OpenAIError | None:
         reason = self.state.unavailable_reason
         if reason is not None:
@@ -87,10 +120,8 @@ class ServerGuardMiddleware:
             return OpenAIError(f"Request headers total {header_bytes} bytes, over the limit of "
                                f"{MAX_HEADER_BYTES}", 431, code="headers_too_large")
         headers = {k.decode("latin-1").lower(): v for k, v in raw_headers}
-        api_key = self.state.settings.api_key
-        if api_key is not None and not self._is_ui_page(scope) and not _authorized(headers, api_key):
-            return OpenAIError("Invalid or missing API key: pass it as 'Authorization: Bearer KEY'", 401,
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if self._needs_key(scope) and not self._key_accepted(headers):
+            return invalid_api_key()
         length = headers.get("content-length")
         if length is not None:
             try:
@@ -102,16 +133,43 @@ class ServerGuardMiddleware:
         return None
 
     def _is_ui_page(self, scope: Scope) -> bool:
-        return self.state.settings.enable_ui and (scope["method"], scope["path"]) == UI_PAGE
+        return (self.state.settings.enable_ui and scope["type"] == "http"
+                and (scope["method"], scope["path"]) == UI_PAGE)
+
+    def _needs_key(self, scope: Scope) -> bool:
+        settings = self.state.settings
+        if settings.api_key is None and settings.api_keys is None:
+            return False
+        if self._is_ui_page(scope):
+            return False
+        # With --api-keys-file, QuotaMiddleware checks the key of every path it limits.
+        return settings.api_keys is None or scope["path"] in QUOTA_EXEMPT_PATHS
+
+    def _key_accepted(self, headers: dict[str, bytes]) -> bool:
+        settings = self.state.settings
+        if settings.api_key is not None and _authorized(headers, settings.api_key):
+            return True
+        return settings.api_keys is not None and settings.api_keys.lookup(api_key_from_headers(headers)) is not None
 
 
-def _authorized(headers: dict[str, bytes], api_key: str) -> bool:
+def api_key_from_headers(headers: dict[str, bytes]) -> bytes:
+    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY` (b"" if none).
+    `headers` has lower-case names."""
     value = headers.get("authorization", b"")
     scheme, _, token = value.partition(b" ")
     if scheme.lower() != b"bearer":
         token = headers.get("x-api-key", b"")
+    return token.strip()
+
+
+def _authorized(headers: dict[str, bytes], api_key: str) -> bool:
     # Constant time in the key's content: a timing side channel must not reveal a prefix.
-    return hmac.compare_digest(token.strip(), api_key.encode())
+    return hmac.compare_digest(api_key_from_headers(headers), api_key.encode())
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError("Invalid or missing API key: pass it as 'Authorization: Bearer KEY'", 401,
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _too_large(limit: int) -> OpenAIError:
@@ -156,7 +214,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(send: Send, error: OpenAIError) -> None:
+async def send_error(send: Send, error: OpenAIError) -> None:
+    """Answer an HTTP request with `error` as OpenAI's error JSON (and its headers)."""
     payload = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     for key, value in (error.headers or {}).items():
@@ -165,3 +224,19 @@ async def _send_error(send: Send, error: OpenAIError) -> None:
     headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def reject_websocket(receive: Receive, send: Send, error: OpenAIError, close_code: int) -> None:
+    """Refuse a WebSocket before the app sees it: accept (a refused handshake would carry neither
+    a close code nor a message), send the error's OpenAI JSON as one text message, close with
+    `close_code`. Retry-After, if the error has one, is in the message (no headers here)."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return  # the client left before the handshake ended
+    await send({"type": "websocket.accept"})
+    body = error.body()
+    retry_after = (error.headers or {}).get("Retry-After")
+    if retry_after is not None:
+        body["error"]["retry_after"] = int(retry_after)
+    await send({"type": "websocket.send", "text": json.dumps(body)})
+    await send({"type": "websocket.close", "code": close_code, "reason": (error.code or "")[:120]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -16,6 +16,9 @@ from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
 from kvtide.server.metrics import ServerMetrics
 from kvtide.server.output_parsers import OutputParsers
 
+if TYPE_CHECKING:
+    from kvtide.server.quotas import ApiKeys
+
 
 @dataclass
 class ServerSettings:
@@ -24,6 +27,9 @@ class ServerSettings:
     served_model_names: list[str]
     """Names /v1/models lists and requests may ask for; the first is the one reported."""
     api_key: str | None = None
+    """--api-key: passes every check (and no quota), alone or along --api-keys-file."""
+    api_keys: ApiKeys | None = None
+    """--api-keys-file: the keys QuotaMiddleware admits, each with its limits (server/quotas.py)."""
     chat_template: str | None = None
     """A Jinja template overriding the tokenizer's (already read from a file if one was given)."""
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
@@ -54,7 +60,7 @@ class ServerState:
     draining: bool = False
     """SIGTERM received: new requests get 503, those in flight finish."""
     num_inflight: int = 0
-    """HTTP requests being served (not counting /health and /metrics)."""
+    """HTTP requests and WebSockets being served (not counting /health and /metrics)."""
 
     @property
     def model_name(self) -> str:
