@@ -7,8 +7,10 @@ errors, never a hang; no KV block is left held on either side."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -140,3 +142,53 @@ def test_killing_the_prefill_instance_mid_run_never_hangs(pd):
     assert (status, text) == want[0]
     assert metric_value(router.metrics(), "kvtide_router_pd_prefill_fallbacks_total") >= 1
     assert wait_idle(consumer)["num_used_blocks"] == 0
+
+
+def test_client_gone_in_either_phase_leaks_no_block(pd_alive):
+    producer, consumer, router = pd_alive
+    body = {"model": MODEL_NAME, "prompt": "abandoned " * 40, "max_tokens": 600, "ignore_eos": True,
+            "temperature": 0.0}
+    payload = json.dumps(body).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    # Gone at once, during the prefill request, or around the hand-over (the tiny model's prefill
+    # takes milliseconds, so the delays spread over both phases) ...
+    for delay_s in (0.0, 0.005, 0.02, 0.05, 0.1):
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            sock.sendall(request)
+            time.sleep(delay_s)
+    # ... and surely while the decode instance streams: the abort reaches it.
+    aborted = metric_value(httpx.get(consumer.url("/metrics")).text, "kvtide:request_success_total",
+                           finished_reason="abort")
+    with httpx.stream("POST", router.url("/v1/completions"), json={**body, "stream": True}, timeout=60.0) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 30
+    while metric_value(httpx.get(consumer.url("/metrics")).text, "kvtide:request_success_total",
+                       finished_reason="abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric_value(httpx.get(consumer.url("/metrics")).text, "kvtide:request_success_total",
+                        finished_reason="abort") > aborted
+    for server in (producer, consumer):
+        deadline = time.monotonic() + 30
+        while (stats := wait_idle(server))["num_used_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stats["num_used_blocks"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def pd_alive(llama_dir):
+    """A pair of its own: the module's `pd` loses its prefill instance in the kill test."""
+    handles = [start_server(llama_dir, *FLAGS, *p2p(role), api_key=None, env=SECRET)
+               for role in ("kv_producer", "kv_consumer")]
+    router = None
+    try:
+        producer, consumer = (wait_ready(h) for h in handles)
+        router = start_router("--prefill", producer.base_url, "--decode", consumer.base_url)
+        yield producer, consumer, router
+    finally:
+        if router is not None:
+            router.stop()
+        for h in handles:
+            h.stop()
