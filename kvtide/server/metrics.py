@@ -101,6 +101,18 @@ class ServerMetrics:
                                          "Free KV blocks that still hold a cached prefix (evicted only "
                                          "when room is needed).")
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
+        self.kv_connector_hit_tokens = Counter(
+            "kvtide:kv_connector_hit_tokens", "Prompt tokens a KV connector loaded instead of computing, by tier "
+            "(cpu, redis, p2p).", ["model_name", "tier"], registry=r)
+        self.kv_connector_saved_blocks = Counter(
+            "kvtide:kv_connector_saved_blocks", "KV blocks a connector wrote to a tier.", ["model_name", "tier"],
+            registry=r)
+        self.kv_connector_corrupt_entries = counter(
+            "kv_connector_corrupt_entries", "Tier entries found truncated, corrupted or foreign (recomputed).")
+        self.kv_connector_transfer_failures = counter(
+            "kv_connector_transfer_failures", "p2p pulls that failed or timed out (the prompt was computed).")
+        self.kv_connector_staged_requests = counter(
+            "kv_connector_staged_requests", "p2p: prompts a prefill instance staged for a decode instance.")
         self._finished = Counter("kvtide:request_success", "Finished requests, by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self.spec_num_drafts = counter("spec_decode_num_drafts", "Verification steps of requests that had drafts.")
@@ -199,6 +211,7 @@ class ServerMetrics:
             self._update_spec_decoding(new_stats.spec_decoding, last.spec_decoding)
             self._update_structured_output(new_stats.structured_output, last.structured_output, engine)
             self._count_expert_load(new_stats.expert_load, last.expert_load)
+            self._update_kv_connector(new_stats.kv_connector, last.kv_connector)
             if len(per_engine) > 1:
                 self.dp_running.labels(engine=str(engine), **self._labels).set(new_stats.num_running)
                 self.dp_waiting.labels(engine=str(engine), **self._labels).set(new_stats.num_waiting)
@@ -277,6 +290,23 @@ class ServerMetrics:
         if total > self._so_last_invalid:
             self.so_invalid.inc(total - self._so_last_invalid)
             self._so_last_invalid = total
+
+    def _update_kv_connector(self, new: dict | None, old: dict | None) -> None:
+        """Add what a KV connector's counters (disagg/base.py ConnectorStats) gained since the last scrape."""
+        if new is None:
+            return
+        old = old or {}
+        for family, key in ((self.kv_connector_hit_tokens, "hit_tokens"), (self.kv_connector_saved_blocks, "saved_blocks")):
+            for tier, value in new[key].items():
+                gained = value - old.get(key, {}).get(tier, 0)
+                if gained > 0:
+                    family.labels(tier=tier, **self._labels).inc(gained)
+        for counter, key in ((self.kv_connector_corrupt_entries, "corrupt_entries"),
+                             (self.kv_connector_transfer_failures, "transfer_failures"),
+                             (self.kv_connector_staged_requests, "staged_requests")):
+            gained = new[key] - old.get(key, 0)
+            if gained > 0:
+                counter.inc(gained)
 
     def _update_spec_decoding(self, new: dict | None, old: dict | None) -> None:
         """Add what the engine's speculative-decoding counters gained since the last scrape."""

@@ -107,6 +107,10 @@ def test_pd_pair_outputs_equal_a_single_instance(pd):
     producer_stats = wait_idle(producer)
     assert producer_stats["kv_connector"]["staged_requests"] == 50
     assert producer_stats["num_used_blocks"] == 0
+    consumer_metrics = httpx.get(consumer.url("/metrics")).text
+    assert metric_value(consumer_metrics, "kvtide:kv_connector_hit_tokens_total", tier="p2p") \
+        == stats["kv_connector"]["hit_tokens"]["p2p"]
+    assert metric_value(httpx.get(producer.url("/metrics")).text, "kvtide:kv_connector_staged_requests_total") == 50
     text = router.metrics()
     assert metric_value(text, "kvtide_router_pd_prefill_fallbacks_total") == 0
     assert metric_value(text, "kvtide_router_pd_prefill_seconds_count") >= 50
