@@ -12,7 +12,7 @@ import sys
 
 from kvtide.engine_args import EngineArgs
 
-_SUBCOMMAND_MODULES = ("kvtide.chat.cli", "kvtide.server.cli", "kvtide.bench.cli")
+_SUBCOMMAND_MODULES = ("kvtide.chat.cli", "kvtide.server.cli", "kvtide.bench.cli", "kvtide.router.cli")
 
 
 def register_generate(subparsers) -> None:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import zmq
+from test_kv_tiers import BLOCK_SIZE, BYTES_PER_BLOCK, check_same, prompt
 
 from kvtide import LLM, SamplingParams
-from test_kv_tiers import BLOCK_SIZE, BYTES_PER_BLOCK, check_same, prompt
 
 SECRET = "test-secret-123"
 

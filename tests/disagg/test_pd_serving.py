@@ -38,7 +38,7 @@ SECRET = {"KVTIDE_KV_SECRET": "pd-test-secret"}
 
 
 def p2p(role: str) -> list[str]:
-    return ["--kv-transfer-config", '{"kv_connector": "p2p", "kv_role": "%s", "kv_transfer_timeout_s": 5}' % role]
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "p2p", "kv_role": role, "kv_transfer_timeout_s": 5})]
 
 
 @pytest.fixture(scope="module")
