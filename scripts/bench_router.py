@@ -29,11 +29,6 @@ from collections.abc import Iterator
 
 import httpx
 
-# Run from a source checkout without an install: import this tree's kvtide.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
 

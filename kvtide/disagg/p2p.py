@@ -42,6 +42,13 @@ def _sign(secret: bytes, data: bytes) -> bytes:
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
+def sign_params(secret: bytes, params: dict) -> str:
+    """The producer's signature over the params it hands out: a consumer pulls only from params a
+    producer of its deployment made, so a client cannot point it at another host or port."""
+    fields = {k: params.get(k) for k in ("remote_host", "remote_port", "transfer_id", "num_tokens")}
+    return _sign(secret, json.dumps(fields, sort_keys=True).encode()).hex()
+
+
 @dataclass
 class StagedPrompt:
     token_ids: list[int]
@@ -262,6 +269,10 @@ class P2PScheduler(KVConnectorScheduler):
                 raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__} when do_remote_prefill is set")
         if not 0 < params["remote_port"] < 65536 or params["num_tokens"] < 0:
             raise ValueError("kv_transfer_params: remote_port or num_tokens out of range")
+        if not isinstance(params.get("signature"), str) or not hmac.compare_digest(
+                params["signature"], sign_params(self.secret, params)):
+            raise ValueError("kv_transfer_params are not signed by a prefill instance of this deployment "
+                             "(the shared secret differs, or they were altered)")
 
     def _wants_pull(self, request) -> bool:
         params = request.sampling_params.kv_transfer_params
@@ -332,8 +343,10 @@ class P2PScheduler(KVConnectorScheduler):
         self._staging.add(request.request_id)
         self.stats.staged_requests += 1
         assert self.server is not None
-        return True, {"do_remote_prefill": True, "remote_host": self.server.host, "remote_port": self.server.port,
-                      "transfer_id": transfer_id, "num_tokens": request.num_prompt_tokens}
+        params = {"do_remote_prefill": True, "remote_host": self.server.host, "remote_port": self.server.port,
+                  "transfer_id": transfer_id, "num_tokens": request.num_prompt_tokens}
+        params["signature"] = sign_params(self.secret, params)
+        return True, params
 
     def build_connector_meta(self, scheduler_output, requests: dict) -> P2PMetadata:
         meta = P2PMetadata(self._stages, self._loads)

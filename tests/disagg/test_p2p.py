@@ -13,6 +13,7 @@ import zmq
 from test_kv_tiers import BLOCK_SIZE, BYTES_PER_BLOCK, check_same, prompt
 
 from kvtide import LLM, SamplingParams
+from kvtide.disagg.p2p import sign_params
 
 SECRET = "test-secret-123"
 
@@ -78,11 +79,13 @@ def test_a_lost_transfer_is_computed_instead(engines):
 
 
 def test_a_dead_producer_costs_computation_not_a_hang(engines, llama_dir):
-    ref, _, consumer = engines
+    ref, producer, consumer = engines
     tokens = prompt(14)
     want = generate(ref, tokens, params(6))
-    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "transfer_id": "ab" * 16,
-            "num_tokens": len(tokens)}
+    dead = dict(generate(producer, tokens, params(1, {"do_remote_decode": True})).kv_transfer_params)
+    # Params that point at a port nobody answers on (as a producer that died would leave them).
+    dead["remote_port"] = 9
+    dead["signature"] = sign_params(SECRET.encode(), dead)
     quick = make(llama_dir, "kv_consumer", kv_transfer_timeout_s=1.0)
     try:
         start = time.monotonic()
@@ -120,6 +123,9 @@ def test_transfer_port_refuses_unsigned_and_replayed_pulls(engines):
     ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "x", "transfer_id": "t", "num_tokens": 3},
      "remote_port"),
     ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5, "num_tokens": 3}, "transfer_id"),
+    # Well formed, but made up by a client: the consumer must not connect to whatever it names.
+    ({"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 6379, "transfer_id": "t", "num_tokens": 3,
+      "signature": "00" * 32}, "not signed"),
 ])
 def test_bad_kv_transfer_params_are_refused(engines, kv, message):
     _, _, consumer = engines
