@@ -1,4 +1,5 @@
-"""`kvtide` command line: generate (offline), chat (interactive), serve (OpenAI-compatible server), bench.
+"""`kvtide` command line: generate (offline), chat (interactive), serve (OpenAI-compatible server), router
+(one endpoint in front of several servers), bench.
 
 Each subcommand module exposes `register(subparsers)`; engine flags come from EngineArgs.
 """
