@@ -9,6 +9,8 @@ import pytest
 import redis
 
 from kvtide import LLM, SamplingParams
+from kvtide.disagg.config import parse_kv_transfer_config
+from kvtide.disagg.tiers import redact
 
 BLOCK_SIZE = 16
 BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 2 * 32 * 4 * 4
@@ -87,6 +89,9 @@ def test_redis_tier_is_shared_between_instances(llama_dir, reference, redis_url)
         assert connector_stats(b)["hit_tokens"] == {"redis": 10 * BLOCK_SIZE}
     finally:
         b.shutdown()
+    client = redis.Redis.from_url(redis_url)
+    keys = client.keys("kvtide:kv:*")
+    assert keys and all(0 < client.ttl(k) <= 3600 for k in keys)  # redis_ttl_s's default
 
 
 def test_multi_tier_stacks_host_memory_over_redis(llama_dir, reference, redis_url):
@@ -181,3 +186,14 @@ def test_p2p_without_a_secret_is_refused(llama_dir, monkeypatch):
 def test_unreachable_redis_is_a_clear_error(llama_dir):
     with pytest.raises(ValueError, match="cannot reach Redis"):
         make_llm(llama_dir, {"kv_connector": "redis", "redis_url": "redis://127.0.0.1:1/0"})
+
+
+def test_kv_offload_memory_alone_turns_host_memory_offload_on():
+    config = parse_kv_transfer_config(None, kv_offload_memory=123 << 20)
+    assert (config.kv_connector, config.kv_offload_memory) == ("cpu_offload", 123 << 20)
+    assert parse_kv_transfer_config(None) is None
+
+
+def test_redis_password_never_reaches_the_log():
+    assert redact("redis://user:hunter2@127.0.0.1:6379/0") == "redis://user:***@127.0.0.1:6379/0"
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
