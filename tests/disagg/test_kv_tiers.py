@@ -50,6 +50,17 @@ def reference(llama_dir):
     llm.shutdown()
 
 
+def serve_once(model_dir: str, config: dict, token_ids: list[int]):
+    """Serve one prompt on a fresh engine, wait until its blocks reached the tiers, shut it down."""
+    llm = make_llm(model_dir, config)
+    try:
+        out = run(llm, token_ids)
+        flush(llm)
+        return out
+    finally:
+        llm.shutdown()
+
+
 def check_same(out, ref) -> None:
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
@@ -75,12 +86,7 @@ def test_cpu_tier_serves_a_prefix_the_device_evicted(llama_dir, reference):
 
 def test_redis_tier_is_shared_between_instances(llama_dir, reference, redis_url):
     config = {"kv_connector": "redis", "redis_url": redis_url}
-    a = make_llm(llama_dir, config)
-    try:
-        check_same(run(a, prompt(2)), reference[2])
-        flush(a)
-    finally:
-        a.shutdown()
+    check_same(serve_once(llama_dir, config, prompt(2)), reference[2])
     b = make_llm(llama_dir, config)  # an empty device cache
     try:
         out = run(b, prompt(2))
@@ -113,12 +119,7 @@ def test_damaged_redis_entries_are_detected_and_recomputed(llama_dir, reference,
     config = {"kv_connector": "redis", "redis_url": redis_url}
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    a = make_llm(llama_dir, config)
-    try:
-        run(a, prompt(0))
-        flush(a)
-    finally:
-        a.shutdown()
+    serve_once(llama_dir, config, prompt(0))
     keys = sorted(client.keys("kvtide:kv:*"))
     assert len(keys) >= 10
     assert all(len(client.get(k)) > BYTES_PER_BLOCK for k in keys)  # header + every layer's K and V
@@ -148,12 +149,7 @@ def test_damaged_redis_entries_are_detected_and_recomputed(llama_dir, reference,
 
 def test_another_model_never_reads_the_entries(llama_dir, checkpoint_factory, redis_url):
     config = {"kv_connector": "redis", "redis_url": redis_url}
-    a = make_llm(llama_dir, config)
-    try:
-        run(a, prompt(0))
-        flush(a)
-    finally:
-        a.shutdown()
+    serve_once(llama_dir, config, prompt(0))
     other = checkpoint_factory("LlamaForCausalLM", seed=1)  # same shapes, other weights
     b = make_llm(other, config)
     try:

@@ -7,6 +7,7 @@ errors, never a hang; no KV block is left held on either side."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -41,21 +42,27 @@ def p2p(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_connector": "p2p", "kv_role": role, "kv_transfer_timeout_s": 5})]
 
 
-@pytest.fixture(scope="module")
-def pd(llama_dir):
-    handles = [start_server(llama_dir, *FLAGS, *p2p(role), api_key=None, env=SECRET)
+@contextlib.contextmanager
+def pd_pair(model_dir: str, *router_args: str):
+    """A kv_producer and a kv_consumer `kvtide serve` behind `kvtide router --prefill P --decode D`."""
+    handles = [start_server(model_dir, *FLAGS, *p2p(role), api_key=None, env=SECRET)
                for role in ("kv_producer", "kv_consumer")]
     router = None
     try:
         producer, consumer = (wait_ready(h) for h in handles)
-        router = start_router("--prefill", producer.base_url, "--decode", consumer.base_url,
-                              "--health-check-interval", "0.5")
+        router = start_router("--prefill", producer.base_url, "--decode", consumer.base_url, *router_args)
         yield producer, consumer, router
     finally:
         if router is not None:
             router.stop()
         for h in handles:
             h.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(llama_dir):
+    with pd_pair(llama_dir, "--health-check-interval", "0.5") as pair:
+        yield pair
 
 
 def requests_mix(n: int) -> list[dict]:
@@ -184,15 +191,5 @@ def test_client_gone_in_either_phase_leaks_no_block(pd_alive):
 @pytest.fixture(scope="module")
 def pd_alive(llama_dir):
     """A pair of its own: the module's `pd` loses its prefill instance in the kill test."""
-    handles = [start_server(llama_dir, *FLAGS, *p2p(role), api_key=None, env=SECRET)
-               for role in ("kv_producer", "kv_consumer")]
-    router = None
-    try:
-        producer, consumer = (wait_ready(h) for h in handles)
-        router = start_router("--prefill", producer.base_url, "--decode", consumer.base_url)
-        yield producer, consumer, router
-    finally:
-        if router is not None:
-            router.stop()
-        for h in handles:
-            h.stop()
+    with pd_pair(llama_dir) as pair:
+        yield pair
