@@ -309,8 +309,8 @@ class EngineArgs:
         if config is None:
             return None
         if parallel.world_size > 1 or parallel.data_parallel_size > 1:
-            raise ValueError("--kv-transfer-config needs a single-rank replica (tensor, pipeline and data parallel "
-                             "size 1): each rank would need its own connector half")
+            raise ValueError("--kv-transfer-config does not combine with tensor, pipeline or data parallelism yet: "
+                             "a connector's two halves live in one engine-core process, beside rank 0")
         if config.kv_connector != "p2p" and not self.enable_prefix_caching:
             raise ValueError(f"the {config.kv_connector} KV connector names blocks by their prefix-cache keys: "
                              "it needs prefix caching (drop --no-enable-prefix-caching)")

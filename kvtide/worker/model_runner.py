@@ -188,7 +188,6 @@ class ModelRunner:
                 caches.append(attn.kv_cache)
         return caches
 
-    # ---- the step ----------------------------------------------------------------------------
     def kv_block_io(self):
         """Whole-block access to every cached layer, for a KV connector (disagg/block_io.py)."""
         from kvtide.disagg.block_io import KVBlockIO
@@ -198,6 +197,7 @@ class ModelRunner:
         return KVBlockIO([a.kv_cache for a in layers], shapes,
                          f"{self.attention_backend.name}|{self.kv_cache_format}|{self.block_size}")
 
+    # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)

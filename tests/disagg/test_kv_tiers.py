@@ -193,3 +193,29 @@ def test_kv_offload_memory_alone_turns_host_memory_offload_on():
 def test_redis_password_never_reaches_the_log():
     assert redact("redis://user:hunter2@127.0.0.1:6379/0") == "redis://user:***@127.0.0.1:6379/0"
     assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_quantized_kv_cache_blocks_offload_and_load(llama_dir):
+    """An int8 cache (codes and per-token scales in one byte layout) goes through host memory too."""
+    int8_block = BYTES_PER_BLOCK // 4 * (32 + 2) // 32  # per head and token: 32 codes and a float16 scale
+
+    def llm(connector):
+        return LLM(llama_dir, kv_cache_memory=str(16 * int8_block), block_size=BLOCK_SIZE,
+                   max_model_len=256, kv_cache_dtype="int8", kv_transfer_config=connector)
+
+    plain = llm(None)
+    try:
+        want = run(plain, prompt(0)).outputs[0].token_ids
+    finally:
+        plain.shutdown()
+    offload = llm({"kv_connector": "cpu_offload"})
+    try:
+        run(offload, prompt(0))
+        run(offload, prompt(1))
+        out = run(offload, prompt(0))
+        assert out.num_cached_tokens == 10 * BLOCK_SIZE
+        assert out.outputs[0].token_ids == want
+        assert connector_stats(offload)["hit_tokens"]["cpu"] > 0  # the evicted tail of the prompt
+        assert offload.engine.core.get_stats().num_blocks == 16
+    finally:
+        offload.shutdown()
