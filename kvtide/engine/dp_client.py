@@ -148,10 +148,11 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         return stats[0]
     total = SchedulerStats()
     for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                 "num_used_blocks", "num_evictable_blocks", "num_blocks", "step_tokens"):
+                 "num_used_blocks", "num_evictable_blocks", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
         setattr(total, name, sum(getattr(s, name) for s in stats))
     total.kv_cache_usage = total.num_used_blocks / total.num_blocks if total.num_blocks else \
         sum(s.kv_cache_usage for s in stats) / len(stats)
+    total.iteration_tokens = _sum_nested([s.iteration_tokens for s in stats])
     for name in ("spec_decoding", "expert_load", "structured_output"):
         present = [getattr(s, name) for s in stats if getattr(s, name) is not None]
         setattr(total, name, _sum_nested(present) if present else None)

@@ -3,6 +3,7 @@ msgspec across the ZMQ channel without pickle."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -26,6 +27,20 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of the tokens-per-step histogram (kvtide:iteration_tokens_total, as vLLM's)."""
+
+
+def new_iteration_tokens() -> dict:
+    return {"counts": [0] * (len(ITERATION_TOKEN_BUCKETS) + 1), "sum": 0, "count": 0}
+
+
+def observe_iteration_tokens(histogram: dict, num_tokens: int) -> None:
+    histogram["counts"][bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+    histogram["sum"] += num_tokens
+    histogram["count"] += 1
+
+
 @dataclass
 class SchedulerStats:
     num_running: int = 0
@@ -37,7 +52,12 @@ class SchedulerStats:
     num_used_blocks: int = 0
     num_evictable_blocks: int = 0
     num_blocks: int = 0
-    step_tokens: int = 0
+    iteration_tokens: dict = field(default_factory=lambda: new_iteration_tokens())
+    """Tokens scheduled per step since start (steps that scheduled any): {"counts": per bucket of
+    ITERATION_TOKEN_BUCKETS, non-cumulative, the last one past the top; "sum"; "count"}."""
+    max_num_seqs: int = 0
+    """The scheduler's limits (--max-num-seqs, the token budget): what utilization is measured against."""
+    max_num_batched_tokens: int = 0
     spec_decoding: dict | None = None
     """Speculative decoding counters (spec_decode/metrics.py), None when speculation is off."""
     expert_load: dict | None = None

@@ -41,7 +41,12 @@ from collections.abc import Iterable
 
 from kvtide.config import CacheConfig, SchedulerConfig
 from kvtide.engine.expert_load import ExpertLoadStats
-from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
+from kvtide.engine.messages import (
+    EngineCoreOutput,
+    SchedulerStats,
+    new_iteration_tokens,
+    observe_iteration_tokens,
+)
 from kvtide.engine.request import Request, RequestStatus
 from kvtide.kv_cache.manager import KVCacheManager
 from kvtide.scheduler.output import (
@@ -144,6 +149,8 @@ class Scheduler:
         """request id -> prompt positions whose logprobs went out (a preempted request computes its
         prompt again; those must not go out twice)."""
         self.num_preemptions = 0
+        self.iteration_tokens = new_iteration_tokens()
+        """Tokens each step scheduled (SchedulerStats.iteration_tokens)."""
         self._pending_forks: dict[str, list[Request]] = {}
         """parent id -> requests waiting to be forked from it once its prompt is computed."""
         self._send_full: set[str] = set()
@@ -336,6 +343,8 @@ class Scheduler:
             num_draft_tokens=num_drafts,
         )
         self._finished_req_ids = set()
+        if output.total_num_scheduled_tokens:
+            observe_iteration_tokens(self.iteration_tokens, output.total_num_scheduled_tokens)
         for req_id, num_new in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
@@ -613,7 +622,10 @@ class Scheduler:
             kv_cache_usage=pool.usage(), num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             num_used_blocks=pool.num_used_blocks, num_evictable_blocks=pool.num_evictable_blocks,
-            num_blocks=pool.num_blocks, spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None,
+            num_blocks=pool.num_blocks, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            iteration_tokens={**self.iteration_tokens, "counts": list(self.iteration_tokens["counts"])},
+            spec_decoding=self.spec_stats.as_dict() if self.spec_policy else None,
             expert_load=self.expert_load.as_dict() if self.expert_load is not None else None,
             structured_output=self.structured_output.stats.as_dict()
             if self.structured_output is not None and self.structured_output.stats.num_constrained_requests else None,

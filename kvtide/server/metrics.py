@@ -37,12 +37,15 @@ KV blocks are reported in three gauges, so a cache that filled up is not mistake
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from kvtide.engine.async_llm import FinishedRequestStats, IterationStats
 from kvtide.engine.dp_client import merge_stats
 from kvtide.engine.expert_load import imbalance
-from kvtide.engine.messages import SchedulerStats
+from kvtide.engine.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 from kvtide.spec_decode.metrics import difference
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -101,6 +104,11 @@ class ServerMetrics:
                                          "Free KV blocks that still hold a cached prefix (evicted only "
                                          "when room is needed).")
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
+        self.max_num_seqs = gauge("max_num_seqs", "Most requests in one step (--max-num-seqs), summed over replicas.")
+        self.max_num_batched_tokens = gauge("max_num_batched_tokens",
+                                            "Token budget of one step, summed over replicas.")
+        self._iteration_tokens = _IterationTokens(model_name)
+        r.register(self._iteration_tokens)
         self.kv_connector_hit_tokens = Counter(
             "kvtide:kv_connector_hit_tokens", "Prompt tokens a KV connector loaded instead of computing, by tier "
             "(cpu, redis, p2p).", ["model_name", "tier"], registry=r)
@@ -197,6 +205,9 @@ class ServerMetrics:
         self.kv_blocks_in_use.set(stats.num_used_blocks)
         self.kv_blocks_evictable.set(stats.num_evictable_blocks)
         self.kv_blocks_total.set(stats.num_blocks)
+        self.max_num_seqs.set(stats.max_num_seqs)
+        self.max_num_batched_tokens.set(stats.max_num_batched_tokens)
+        self._iteration_tokens.latest = stats.iteration_tokens
         queries = stats.prefix_cache_queries
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
         if len(self._last_per_engine) != len(per_engine):
@@ -326,3 +337,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _IterationTokens:
+    """kvtide:iteration_tokens_total: a histogram of the tokens each engine step scheduled, kept by
+    the engine core (SchedulerStats.iteration_tokens) and exported as its latest scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.latest: dict | None = None
+
+    def collect(self):
+        family = HistogramMetricFamily("kvtide:iteration_tokens_total", "Tokens scheduled per engine step.",
+                                       labels=["model_name"])
+        if self.latest is not None:
+            cumulative = list(itertools.accumulate(self.latest["counts"]))
+            buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKEN_BUCKETS, cumulative, strict=False)]
+            family.add_metric([self.model_name], buckets + [("+Inf", cumulative[-1])], self.latest["sum"])
+        yield family

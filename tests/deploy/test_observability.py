@@ -46,7 +46,7 @@ COMPOSE_DIR = ROOT / "deploy" / "compose"
 DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
 
 METRIC_NAME = re.compile(r"\b(kvtide(?::|_)[A-Za-z0-9_:]+)")
-GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$model_name": ".*", "$max_num_seqs": "256"}
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$model_name": ".*"}
 
 QWEN2_MOE = dict(
     num_experts=4,
