@@ -276,8 +276,9 @@ class P2PScheduler(KVConnectorScheduler):
 
     def _wants_pull(self, request) -> bool:
         params = request.sampling_params.kv_transfer_params
+        # A request asking for prompt logprobs computes its prompt: they come from the forward pass.
         return bool(self.config.is_consumer and params and params.get("do_remote_prefill")
-                    and request.request_id not in self._pulled)
+                    and request.request_id not in self._pulled and request.sampling_params.prompt_logprobs is None)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         if not self._wants_pull(request):

@@ -132,3 +132,18 @@ def test_bad_kv_transfer_params_are_refused(engines, kv, message):
     with pytest.raises(ValueError, match=message):
         generate(consumer, prompt(15), params(2, kv))
     assert used_blocks(consumer) == 0
+
+
+def test_prompt_logprobs_are_computed_not_transferred(engines):
+    ref, producer, consumer = engines
+    tokens = prompt(16, 3 * BLOCK_SIZE)
+    p = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
+    want = ref.generate([{"prompt_token_ids": tokens}], p, use_tqdm=False)[0]
+    kv = generate(producer, tokens, params(1, {"do_remote_decode": True})).kv_transfer_params
+    p.kv_transfer_params = kv
+    got = consumer.generate([{"prompt_token_ids": tokens}], p, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(tokens)
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        (tid, entry), = [(t, e) for t, e in a.items() if t in b][:1]
+        assert abs(entry.logprob - b[tid].logprob) < 1e-4
