@@ -6,7 +6,9 @@
                   at least `cache_threshold` of the prompt AND the backend has at most
                   `balance_threshold` more requests in flight than the least-loaded healthy backend;
                   otherwise least_load. The prompt is then recorded for the chosen backend, so one
-                  hot prefix stays on one backend until that backend is overloaded, then spills.
+                  hot prefix stays on one backend until that backend is overloaded, then spills;
+                  so is its answer once relayed (prompt_text.answer_text), so a conversation's
+                  next turn, whose prompt repeats the answer, matches in full.
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ class CacheAware(LeastLoad):
             choice = Choice(self._least_loaded(candidates), matched_ratio=ratio)
         self.index.insert(choice.backend.url, hashes)
         return choice
+
+    def record_answer(self, backend: Backend, prompt_text: str, answer_text: str) -> None:
+        """Remember that `backend` now also holds the answer after the prompt (its KV is in that
+        backend's prefix cache too), so the conversation's next turn, which repeats both, follows it."""
+        if answer_text:
+            self.index.insert(backend.url, chunk_hashes(prompt_text + answer_text, self.chunk_chars))
 
 
 def make_policy(name: str, pool: BackendPool, cache_threshold: float, balance_threshold: int) -> Policy:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -26,7 +26,8 @@ from starlette.responses import Response, StreamingResponse
 
 from kvtide.router.backends import Backend
 from kvtide.router.errors import error_response
-from kvtide.router.policies import Policy
+from kvtide.router.policies import CacheAware, Policy
+from kvtide.router.prompt_text import AnswerCollector, answer_text
 from kvtide.router.state import RouterState
 
 logger = logging.getLogger("kvtide.router")
@@ -52,6 +53,8 @@ class Upstream:
     started: float = field(default_factory=time.perf_counter)
     first_byte_at: float | None = None
     finished: bool = False
+    on_answer: Callable[[str], None] | None = None
+    """Told the answer's text once a 200 was relayed whole (the cache-aware index records it)."""
 
 
 @dataclass
@@ -101,6 +104,9 @@ async def open_upstream(state: RouterState, policy: Policy, path: str, content: 
         except _Answer as answer:
             return answer.failure
         if isinstance(outcome, Upstream):
+            if isinstance(policy, CacheAware):
+                outcome.on_answer = lambda answer, b=backend: policy.record_answer(b, prompt_text,
+                                                                                  answer_text(path, answer))
             return outcome
         pending_retry, last_failure = outcome
     if last_failure is not None:
@@ -180,6 +186,10 @@ async def relay(state: RouterState, upstream: Upstream, request_id: str) -> Resp
     headers = client_headers(response, request_id)
     if upstream.chunks is None:  # a non-streamed answer, or an error answer to a stream: read already
         await finish(state, upstream, response.status_code)
+        if upstream.on_answer is not None and response.status_code == 200:
+            collector = AnswerCollector()
+            collector.feed_json(response.content)
+            upstream.on_answer(collector.text)
         return Response(response.content, status_code=response.status_code, headers=headers)
     return _RelayedStream(state, upstream, status_code=response.status_code, headers=headers)
 
@@ -203,12 +213,19 @@ async def _stream_body(state: RouterState, upstream: Upstream) -> AsyncIterator[
     """Chunks as they come. Cancelled when the client goes away (Starlette watches for that):
     closing the upstream response then closes its connection, and the backend aborts the request."""
     status: int | str = upstream.response.status_code
+    collector = AnswerCollector() if upstream.on_answer is not None else None
     try:
         if upstream.first_chunk:
+            if collector is not None:
+                collector.feed_sse(upstream.first_chunk)
             yield upstream.first_chunk
         assert upstream.chunks is not None
         async for chunk in upstream.chunks:
+            if collector is not None:
+                collector.feed_sse(chunk)
             yield chunk
+        if collector is not None and upstream.on_answer is not None:
+            upstream.on_answer(collector.text)
     except httpx.HTTPError as e:
         # Too late to retry: bytes reached the client. End the stream; the client sees no [DONE].
         logger.warning("backend %s failed mid-stream: %s", upstream.backend.url, type(e).__name__)
