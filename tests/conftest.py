@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ import torch
 from kvtide.models.demo import make_random_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Helpers other folders share import by module name: serve_helpers (real `kvtide serve` processes)
+# and router_helpers (a real `kvtide router` in front of them).
+for _folder in ("server", "router"):
+    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), _folder)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 @pytest.fixture(scope="session")

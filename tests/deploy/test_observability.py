@@ -23,23 +23,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from router_helpers import start_router
+from serve_helpers import API_KEY, MODEL_NAME, launch_server, wait_idle
 
-_TESTS = Path(__file__).resolve().parents[1]
-for _helpers in (_TESTS / "server", _TESTS / "router"):
-    if str(_helpers) not in sys.path:
-        sys.path.insert(0, str(_helpers))
-
-from router_helpers import start_router  # noqa: E402
-from serve_helpers import API_KEY, MODEL_NAME, launch_server, wait_idle  # noqa: E402
-
-ROOT = _TESTS.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvtide.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 COMPOSE_DIR = ROOT / "deploy" / "compose"

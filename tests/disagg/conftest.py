@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 import redis
-
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import free_port  # noqa: E402
+from serve_helpers import free_port
 
 
 @pytest.fixture(scope="session")

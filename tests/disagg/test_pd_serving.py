@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-_ROUTER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "router")
-if _ROUTER_TESTS not in sys.path:
-    sys.path.insert(0, _ROUTER_TESTS)
-
-from router_helpers import (  # noqa: E402
+from router_helpers import (
     MODEL_NAME,
     kill_server,
     metric_value,

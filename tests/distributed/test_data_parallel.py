@@ -20,17 +20,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 
 import httpx
 import pytest
-
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import MODEL_NAME, pid_alive, sse_events, start_server, wait_ready  # noqa: E402
+from serve_helpers import MODEL_NAME, pid_alive, sse_events, start_server, wait_ready
 
 from kvtide.engine.dp_client import check_data_parallel_args, merge_stats, plan_replicas  # noqa: E402
 from kvtide.engine.messages import SchedulerStats  # noqa: E402

@@ -32,12 +32,7 @@ import pytest
 # default its GCS and raylet listen on all interfaces under the node's address).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
-
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import MODEL_NAME, pid_alive, start_server, wait_ready  # noqa: E402
+from serve_helpers import MODEL_NAME, pid_alive, start_server, wait_ready
 
 from kvtide import LLM  # noqa: E402
 from kvtide.sampling_params import SamplingParams  # noqa: E402

@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 import httpx
 import pytest
+from serve_helpers import launch_server, pid_alive
 
 from kvtide import LLM, SamplingParams
 from kvtide.distributed import config_checks
 from kvtide.engine_args import EngineArgs
 from kvtide.sampling_params import StructuredOutputsParams
 from kvtide.worker.multiproc_executor import WorkerDiedError
-
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import launch_server, pid_alive  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 CONSTRAINED = SamplingParams(temperature=0, max_tokens=8,

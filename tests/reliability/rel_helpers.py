@@ -7,15 +7,10 @@ The `kvtide serve` launcher and probes are tests/server/serve_helpers.py's, reus
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import (  # noqa: E402
+from serve_helpers import (
     API_KEY,
     MAX_MODEL_LEN,
     MAX_REQUEST_BODY,

@@ -12,12 +12,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-
-_SERVER_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server")
-if _SERVER_TESTS not in sys.path:
-    sys.path.insert(0, _SERVER_TESTS)
-
-from serve_helpers import (  # noqa: E402
+from serve_helpers import (
     MODEL_NAME,
     ServerHandle,
     free_port,
