@@ -1,5 +1,5 @@
 """Data parallelism on `kvtide serve`: one server with --data-parallel-size 2 against two independent
-servers behind a round-robin proxy, on the same machine, the same prompts, in one run.
+servers behind `kvtide router --policy round_robin`, on the same machine, the same prompts, in one run.
 
     python scripts/bench_data_parallel.py                          # the bench checkpoint
     python scripts/bench_data_parallel.py --model demo --num-prompts 32 --output-json dp.json
@@ -7,8 +7,8 @@ servers behind a round-robin proxy, on the same machine, the same prompts, in on
 Setups (each started on 127.0.0.1 free ports, measured, then stopped before the next starts):
   dp=2          `kvtide serve MODEL --data-parallel-size 2`: one API process, two engine-core replicas,
                 each pinned to half the cores; requests balanced by load and prefix affinity
-  2 servers+rr  two `kvtide serve MODEL`, each pinned (taskset) to half the cores, behind the small
-                round-robin HTTP proxy of this script (`--proxy`, a separate process)
+  2 servers+rr  two `kvtide serve MODEL`, each pinned (taskset) to half the cores, behind
+                `kvtide router --policy round_robin`
 Workloads (kvtide.bench.serve, all requests queued at once, at most --max-concurrency in flight):
   shared-prefix --num-prefixes prefixes of --prefix-len tokens, each request adds --suffix-len
   random        --random-input-len tokens, nothing shared
@@ -38,39 +38,6 @@ SETUPS = ("dp=2", "2 servers+rr")
 WORKLOADS = ("shared-prefix", "random")
 
 
-# ---- the round-robin proxy (its own process) ------------------------------------------------------
-def run_proxy(port: int, backends: list[str]) -> None:
-    """A plain reverse proxy: each POST goes to the next backend in turn, streamed back as it comes;
-    GETs (/v1/models, /health) to the first. No /metrics: the bench reads the backends directly."""
-    import itertools
-
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.responses import Response, StreamingResponse
-    from starlette.routing import Route
-
-    hop = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
-    turn = itertools.count()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-
-    async def proxy(request):
-        path = request.url.path
-        if path == "/metrics":
-            return Response(status_code=404)
-        backend = backends[next(turn) % len(backends)] if request.method == "POST" else backends[0]
-        upstream = client.build_request(request.method, backend + path, content=await request.body(),
-                                        headers={k: v for k, v in request.headers.items() if k.lower() not in hop})
-        response = await client.send(upstream, stream=True)
-        return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
-                                 headers={k: v for k, v in response.headers.items() if k.lower() not in hop},
-                                 background=BackgroundTask(response.aclose))
-
-    app = Starlette(routes=[Route("/{path:path}", proxy, methods=["GET", "POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-
-
 # ---- servers ------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,7 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="one more `kvtide serve` argument for every server (repeat it)")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--proxy", nargs="+", default=None, metavar=("PORT", "URL"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -137,8 +103,9 @@ def servers(args, model_dir: str, log_dir: str, setup: str) -> Iterator[tuple[st
             yield backends[0], backends
             return
         port = peers.free_port()
-        cmd = [sys.executable, os.path.abspath(__file__), "--proxy", str(port), *backends]
-        proxy = peers.ServerProcess("rr-proxy", cmd, dict(os.environ), port, log_dir)
+        cmd = [sys.executable, "-m", "kvtide.cli", "router", "--backends", ",".join(backends),
+               "--policy", "round_robin", "--port", str(port)]
+        proxy = peers.ServerProcess("rr-router", cmd, dict(os.environ), port, log_dir)
         started.append(proxy)
         ready = proxy.wait_ready(60)
         if not ready["ok"]:
@@ -259,9 +226,6 @@ def markdown_table(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.proxy:
-        run_proxy(int(args.proxy[0]), [u.rstrip("/") for u in args.proxy[1:]])
-        return 0
     from kvtide.bench.common import format_machine
     from kvtide.bench.serve import _finite
 
