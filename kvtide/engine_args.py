@@ -308,9 +308,12 @@ class EngineArgs:
         config = parse_kv_transfer_config(self.kv_transfer_config, offload)
         if config is None:
             return None
-        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
-            raise ValueError("--kv-transfer-config does not combine with tensor, pipeline or data parallelism yet: "
-                             "a connector's two halves live in one engine-core process, beside rank 0")
+        if parallel.world_size > 1:
+            raise ValueError("--kv-transfer-config does not combine with tensor or pipeline parallelism yet: a "
+                             "connector's two halves live in one engine-core process, beside rank 0")
+        if parallel.data_parallel_size > 1 and config.kv_connector == "p2p" and config.kv_port:
+            raise ValueError("with --data-parallel-size > 1 each replica binds its own p2p transfer port: leave "
+                             "kv_port at 0 (each port is reported in kv_transfer_params)")
         if config.kv_connector != "p2p" and not self.enable_prefix_caching:
             raise ValueError(f"the {config.kv_connector} KV connector names blocks by their prefix-cache keys: "
                              "it needs prefix caching (drop --no-enable-prefix-caching)")

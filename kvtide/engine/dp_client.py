@@ -153,7 +153,7 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     total.kv_cache_usage = total.num_used_blocks / total.num_blocks if total.num_blocks else \
         sum(s.kv_cache_usage for s in stats) / len(stats)
     total.iteration_tokens = _sum_nested([s.iteration_tokens for s in stats])
-    for name in ("spec_decoding", "expert_load", "structured_output"):
+    for name in ("spec_decoding", "expert_load", "structured_output", "kv_connector"):
         present = [getattr(s, name) for s in stats if getattr(s, name) is not None]
         setattr(total, name, _sum_nested(present) if present else None)
     if total.structured_output is not None:
@@ -173,7 +173,7 @@ def _sum_nested(values: list[Any]) -> Any:
         if any(not isinstance(v, list) or len(v) != len(first) for v in values):
             return first
         return [_sum_nested([v[i] for v in values]) for i in range(len(first))]
-    keys = first.keys()
+    keys = dict.fromkeys(k for v in values if isinstance(v, dict) for k in v)  # every replica's, in order
     return {k: _sum_nested([v[k] for v in values if isinstance(v, dict) and k in v]) for k in keys}
 
 
