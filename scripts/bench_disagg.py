@@ -34,14 +34,6 @@ from collections.abc import Iterator
 import httpx
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def halves() -> list[list[int]]:
     cpus = sorted(os.sched_getaffinity(0))
     half = len(cpus) // 2
@@ -92,6 +84,8 @@ def serve(model: str, port: int, cpus: list[int], args, connector: dict | None =
 
 
 def run_setup(setup: str, args, log_dir: str) -> dict:
+    from kvtide.bench.peers import free_port
+
     a, b, router = free_port(), free_port(), free_port()
     url = lambda p: f"http://127.0.0.1:{p}"  # noqa: E731
     env = {"KVTIDE_KV_SECRET": secrets.token_hex(16)}
