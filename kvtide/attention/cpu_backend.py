@@ -48,10 +48,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._op = load_paged_attention()
         self._quant_op = load_attention_op("paged_attention_quant")
         self._write_op = load_attention_op("write_kv_quant")
+        self._write_float_op = load_attention_op("write_kv")
         self._kinds = (KIND_IDS[kv_quant.k_kind], KIND_IDS[kv_quant.v_kind]) if kv_quant is not None else None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        if self.kv_quant is None and self._write_float_op is not None and key.device.type == "cpu" \
+                and key.dtype == kv_cache.dtype and key.stride(-1) == 1 and value.stride(-1) == 1:
+            self._write_float_op(key, value, kv_cache, slot_mapping)
+            return
         if self.kv_quant is None or self._write_op is None or key.device.type != "cpu":
             return super().write_kv(key, value, kv_cache, slot_mapping, kv_scale)
         block_size = kv_cache.shape[2] // self.kv_quant.bytes_per_token(key.shape[-1])
@@ -70,10 +75,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                    sink_tokens=sink_tokens, kv_scale=kv_scale)
         output = torch.empty_like(query)
         kernel_runs, other_rows = self._split_rows(metadata)
-        for first, end in kernel_runs:
-            # Row slices of the metadata: query_start_loc keeps absolute token offsets.
-            rows = (output, query, kv_cache, metadata.block_tables[first:end], metadata.seq_lens[first:end],
-                    metadata.query_start_loc[first:end + 1], end - first, scale, sliding_window or 0)
+        for run in kernel_runs:
+            rows = (output, query, kv_cache, *run, scale, sliding_window or 0)
             if quantized:
                 op(*rows, sink_tokens, *self._kinds, kv_scale, query.shape[-1], metadata.block_size)
             else:
@@ -84,9 +87,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return output
 
     @staticmethod
-    def _split_rows(md: AttentionMetadata) -> tuple[list[tuple[int, int]], list[int]]:
-        """Runs [first, end) of consecutive rows for the kernel, and the other rows, for SDPA.
-        Built once per step and shared by every layer."""
+    def _split_rows(md: AttentionMetadata) -> tuple[list[tuple], list[int]]:
+        """The kernel's runs of consecutive rows, as its (block_tables, seq_lens, query_start_loc,
+        num_rows) arguments (row slices; query_start_loc keeps absolute token offsets), and the
+        other rows, for SDPA. Built once per step and shared by every layer."""
         if "cpu_row_split" not in md.backend_data:
             qsl = md.query_start_loc_cpu
             runs: list[tuple[int, int]] = []
@@ -98,5 +102,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     runs[-1] = (runs[-1][0], i + 1)
                 else:
                     runs.append((i, i + 1))
-            md.backend_data["cpu_row_split"] = (runs, others)
+            args = [(md.block_tables[first:end], md.seq_lens[first:end], md.query_start_loc[first:end + 1],
+                     end - first) for first, end in runs]
+            md.backend_data["cpu_row_split"] = (args, others)
         return md.backend_data["cpu_row_split"]

@@ -7,7 +7,9 @@ copy; oneDNN's brgemm on a weight reordered once into its blocked layout
 alone. On a Sapphire Rapids machine the MKL-packed weight won at 16-256 rows; on a Zen 4 EPYC it
 lost overall. So nothing is assumed: each distinct linear shape (N, K, bias) is measured once per
 row-count bucket at model load, and the fastest candidate whose products pass the numerics bound
-is used for that bucket.
+is used for that bucket. kvtide's own small-row kernel on 16-column weight panels (`panels`,
+csrc/layer_ops.cpp) is one more candidate. The decode buckets (up to STREAM_ROWS rows) are timed
+with the weight coming from memory, as it does in a model, not from the cache.
 
   rows  1 | 2-8 | 9-64 | 65-256 | 257+ (prefill)
         each bucket: its own kernel, e.g. onednn | onednn | onednn | mkl | f.linear
@@ -18,13 +20,14 @@ order in float32 stays inside it; a reduced-precision path (bf16 or tf32 math) i
 
 Verdicts are cached on disk per machine (CPU model, ISA, torch version, threads) and shape under
 `cache_root()/gemm/`, so a warm start measures nothing. Every packed weight is an extra copy; a
-layer keeps at most one packed kind, and `cpu_weight_prepack='auto'` packs only when the copies fit
+layer keeps at most two packed kinds (MAX_PACKED_KINDS), and `cpu_weight_prepack='auto'` packs only when the copies fit
 in a quarter of the memory available at load time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtide.layers import layer_ops
 from kvtide.machine import machine_info
 from kvtide.models.cache_dir import cache_root
 
@@ -45,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 F_LINEAR = "f.linear"
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped when the candidates or the measurement change, so older verdicts are not reused."""
 
 
@@ -96,6 +100,10 @@ def _run_transposed(x, weight, bias, packed, rows):
     return torch.mm(x, packed) if bias is None else torch.addmm(bias, x, packed)
 
 
+def _run_panels(x, weight, bias, packed, rows):
+    return layer_ops.linear_panels(x, weight.shape[0], packed, bias)
+
+
 def _mkl_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
@@ -114,6 +122,9 @@ CANDIDATES: dict[str, Candidate] = {
     "onednn-packed": Candidate("onednn-packed", _run_onednn,
                                lambda w: torch.ops.mkldnn._reorder_linear_weight(w), _onednn_available),
     "transposed": Candidate("transposed", _run_transposed, lambda w: w.t().contiguous(), lambda: True),
+    # kvtide's own small-row kernel (csrc/layer_ops.cpp) on 16-column panels of the weight.
+    "panels": Candidate("panels", _run_panels, layer_ops.pack_panels,
+                        lambda: layer_ops.layer_op("linear_panels") is not None),
 }
 """Every kernel a linear may run on, by name; F_LINEAR is the reference and the fallback."""
 
@@ -140,7 +151,7 @@ class GemmPlan:
         self.choices = choices
         """Bucket name -> candidate name."""
         self.packed = packed
-        """Candidate name -> its copy of the weight (at most one entry)."""
+        """Candidate name -> its copy of the weight (at most MAX_PACKED_KINDS entries)."""
         entries = {b.name: (CANDIDATES[choices[b.name]].run, packed.get(choices[b.name])) for b in BUCKETS}
         self.by_rows = [entries[bucket_of(max(rows, 1)).name] for rows in range(MAX_DECODE_ROWS + 1)]
         self.prefill = entries[BUCKETS[-1].name]
@@ -209,6 +220,19 @@ REFERENCE_COLUMNS = 256
 MEASURE_BUDGET_S = 5.0
 """Once measuring has taken this long (a machine busy with other work makes every call slow), the
 remaining shapes keep F.linear unmeasured and uncached."""
+STREAM_ROWS = 8
+"""Buckets of up to this many rows are bound by reading the weight, and in a model each layer's
+weight comes from memory: the whole model does not stay in the cache from one step to the next.
+So they are timed over a ring of copies of the weight larger than the last-level cache, the way a
+decode step reads its layers one after another. Timed on one cache-resident copy instead, a library
+GEMV that streams poorly looked fastest (SmolLM2's 960x576 qkv on a Zen 5 EPYC, one row: sgemm on
+the transposed weight 37 us cached but 112 us streamed, against 47-68 us for the packed kernels)."""
+MAX_PACKED_KINDS = 2
+"""Packed copies a layer may keep: a small-row kernel for decode and a GEMM for batches and prefill
+are often different kernels (measured: the panel kernel won at 1-8 rows on a Zen 5 EPYC, oneDNN
+above); each costs a copy of the weight, within 'auto''s memory budget."""
+MAX_RING = 256
+"""At most this many copies of a small weight in the ring."""
 MARGIN = 0.03
 """In 'auto', another kernel must beat F.linear by this fraction (it costs a copy of the weight)."""
 
@@ -251,6 +275,7 @@ def measure_shape(weight: torch.Tensor, bias: torch.Tensor | None, names: list[s
     gen = torch.Generator().manual_seed(0)
     verdicts: dict[str, dict[str, float | None]] = {}
     slices: dict[int, dict[str, torch.Tensor]] = {weight.shape[0]: packed}
+    rings: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]] = {}
     for bucket in BUCKETS:
         rows = bucket.probe_rows
         n = _probe_rows_of(weight, rows)
@@ -261,9 +286,47 @@ def measure_shape(weight: torch.Tensor, bias: torch.Tensor | None, names: list[s
         copies = slices[n]
         x = torch.randn(rows, weight.shape[1], generator=gen)
         passing = _passing(x, w, b, names, copies)
-        timings = _time_calls({name: _bound_call(name, x, w, b, copies.get(name)) for name in passing})
+        if rows <= STREAM_ROWS:
+            if n not in rings:
+                rings[n] = _weight_ring(w, b, copies, names)
+            timings = _time_calls({name: _ring_call(name, x, rings[n]) for name in passing})
+        else:
+            timings = _time_calls({name: _bound_call(name, x, w, b, copies.get(name)) for name in passing})
         verdicts[bucket.name] = {name: timings.get(name) for name in names}
     return verdicts
+
+
+def stream_bytes() -> int:
+    """Twice the last-level cache (from sysfs; 64 MiB where it cannot be read), at most 256 MiB."""
+    llc = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in os.listdir(base):
+            with open(os.path.join(base, index, "size")) as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            llc = max(llc, int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        llc = 0
+    return min(2 * llc if llc else 64 << 20, 256 << 20)
+
+
+def _weight_ring(w: torch.Tensor, b: torch.Tensor | None, copies: dict[str, torch.Tensor], names: list[str]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]:
+    """(weight, bias, candidates' copies) enough times over to exceed stream_bytes(): calls that
+    go round it read every weight from memory, as a decode step reads its layers."""
+    count = max(1, min(MAX_RING, math.ceil(stream_bytes() / (w.numel() * w.element_size()))))
+    ring = [(w, b, copies)]
+    for _ in range(count - 1):
+        wc = w.clone()
+        ring.append((wc, b, {name: CANDIDATES[name].prepare(wc) for name in names if CANDIDATES[name].prepare}))
+    return ring
+
+
+def _ring_call(name: str, x: torch.Tensor,
+               ring: list[tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]) -> Callable[[], object]:
+    calls = itertools.cycle([_bound_call(name, x, w, b, copies.get(name)) for w, b, copies in ring])
+    return lambda: next(calls)()
 
 
 def _bound_call(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -296,19 +359,20 @@ def _passing(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, names: li
 
 # ---- choosing ------------------------------------------------------------------------------------
 def choose(verdicts: dict[str, dict[str, float | None]], mode: str) -> dict[str, str]:
-    """Bucket -> candidate, from measure_shape's verdicts, with at most one packed kind per shape.
+    """Bucket -> candidate, from measure_shape's verdicts, with at most MAX_PACKED_KINDS packed kinds
+    per shape.
 
     'auto': the fastest passing candidate, another than F.linear only if it is MARGIN faster.
     'on': the fastest passing packed candidate wherever one passes, whatever the speed."""
     choices = _choose_each(verdicts, mode, allowed=None)
     kinds = {c for c in choices.values() if c != F_LINEAR}
-    if len(kinds) > 1:  # keep the kind that saves the most time over the buckets it won
+    if len(kinds) > MAX_PACKED_KINDS:  # keep the kinds that save the most time over the buckets they won
         def saving(kind: str) -> float:
             return sum((verdicts[b][F_LINEAR] or 0.0) - (verdicts[b][kind] or 0.0)
                        for b, c in choices.items() if c == kind)
-        keep = max(sorted(kinds), key=lambda k: (sum(c == k for c in choices.values()) if mode == "on" else 0,
-                                                  saving(k)))
-        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, keep})
+        ranked = sorted(sorted(kinds), key=lambda k: (sum(c == k for c in choices.values()) if mode == "on" else 0,
+                                                      saving(k)), reverse=True)
+        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:MAX_PACKED_KINDS]})
     return choices
 
 
@@ -409,8 +473,8 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         return 0
     choices = _choices_by_shape(layers, mode, use_cache)
     LAST_CHOICES.update(choices)
-    copies = sum(layer.weight.nbytes for layer in layers
-                 if any(c != F_LINEAR for c in choices[shape_key(layer.weight, _bias(layer))].values()))
+    copies = sum(layer.weight.nbytes * len(set(choices[shape_key(layer.weight, _bias(layer))].values()) - {F_LINEAR})
+                 for layer in layers)
     if mode == "auto":
         budget = (_available_memory() if available_bytes is None else available_bytes) // 4
         if copies > budget:

@@ -20,6 +20,7 @@ from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.cpu_gemm import prepack_weights
+from kvtide.layers.cpu_ops import use_cpu_ops
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
@@ -107,6 +108,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
             prepack_weights(self.model, config.device_config.cpu_weight_prepack)
+            use_cpu_ops(self.model)  # compiled RMSNorm, rotary, SiLU-and-mul (layers/cpu_ops.py)
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None
         if config.speculative_config is not None:

@@ -185,14 +185,30 @@ def test_auto_packs_only_when_the_copies_fit_a_quarter_of_free_memory(monkeypatc
     assert prepack_weights(_layers(), "on", available_bytes=0) == 3
 
 
-def test_at_most_one_packed_kind_per_layer():
-    verdicts = {b.name: {F_LINEAR: 1.0, "mkl-packed": 0.5 if i < 2 else 0.9, "onednn-packed": 0.9 if i < 2 else 0.1}
-                for i, b in enumerate(BUCKETS)}
+def test_at_most_two_packed_kinds_per_layer():
+    # Buckets 1 | 2-8 | 9-64 | 65-256 | 257+: panels win the first, mkl the second, onednn the rest.
+    times = {"panels": (0.2, 0.9, 0.9, 0.9, 0.9), "mkl-packed": (0.5, 0.4, 0.9, 0.9, 0.9),
+             "onednn-packed": (0.9, 0.9, 0.1, 0.1, 0.1)}
+    verdicts = {b.name: {F_LINEAR: 1.0, **{k: t[i] for k, t in times.items()}} for i, b in enumerate(BUCKETS)}
     choices = cpu_gemm.choose(verdicts, "auto")
-    assert set(choices.values()) == {"onednn-packed"}  # saves 3 x 0.9 against 2 x 0.5
+    # onednn saves 3 x 0.9, panels 0.8 (and 0.1 at 2-8 once mkl is out), mkl 0.6: mkl goes.
+    assert [choices[b.name] for b in BUCKETS] == ["panels", "panels", "onednn-packed", "onednn-packed",
+                                                  "onednn-packed"]
     verdicts = {b.name: {F_LINEAR: 1.0, "mkl-packed": 0.99, "onednn-packed": None} for b in BUCKETS}
     assert set(cpu_gemm.choose(verdicts, "auto").values()) == {F_LINEAR}  # within MARGIN: not worth a copy
     assert set(cpu_gemm.choose(verdicts, "on").values()) == {"mkl-packed"}
+
+
+def test_auto_counts_one_copy_per_packed_kind(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "measure_shape", lambda weight, bias, names, packed: {
+        b.name: {name: (0.5 if (name == "panels") == (i == 0) else 1.0) if name != F_LINEAR else 1.0
+                 for name in names} for i, b in enumerate(BUCKETS)})
+    monkeypatch.setattr(cpu_gemm, "available_candidates", lambda: [F_LINEAR, "panels", "onednn-packed"])
+    need = 4 * 2 * sum(m.weight.nbytes for m in _layers())  # two copies of every weight
+    assert prepack_weights(_layers(), "auto", available_bytes=need - 4, use_cache=False) == 0
+    model = _layers()
+    assert prepack_weights(model, "auto", available_bytes=need, use_cache=False) == 3
+    assert all(set(layer.gemm_plan.packed) == {"panels", "onednn-packed"} for layer in model)
 
 
 def test_packing_leaves_the_weights_and_state_dict_alone(monkeypatch):

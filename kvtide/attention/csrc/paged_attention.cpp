@@ -14,7 +14,7 @@
 // afterwards. A block that is not float32 is converted (dequantized) into the thread's float
 // workspace when it is read, then attended by the same code that reads float32 blocks in place.
 //
-// write_kv_quant quantizes this step's K/V into the quantized layout, byte for byte as formats.py's
+// write_kv copies this step's K/V into a float cache; write_kv_quant quantizes this step's K/V into the quantized layout, byte for byte as formats.py's
 // reference codec does.
 //
 // The same source is compiled once per ISA (cpu_extension.py): CPU_CAPABILITY selects at::vec's
@@ -918,6 +918,47 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
+// This step's K/V into a float cache (2, H_kv, num_blocks, block_size, D) of the key's dtype: one
+// call for both halves instead of two index_copy_ calls and their views; negative slots are skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  const char* op = "write_kv";
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu() &&
+                  slot_mapping.device().is_cpu(),
+              op, ": tensors must be on the CPU");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              op, ": key and value must be (T, H_kv, D) with unit stride in D, got ", key.sizes(), " and ",
+              value.sizes());
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && kv_cache.scalar_type() == key.scalar_type(), op,
+              ": key, value and kv_cache must share a dtype");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == key.size(1) &&
+                  kv_cache.size(4) == key.size(2) && kv_cache.is_contiguous(),
+              op, ": kv_cache must be contiguous (2, ", key.size(1), ", num_blocks, block_size, ", key.size(2),
+              "), got ", kv_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              op, ": slot_mapping must be a contiguous (T,) int64 tensor");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] < slots_per_head, op, ": slot ", slots[t], " of token ", t, " is outside the cache's ",
+                slots_per_head, " slots");
+  }
+  const int64_t bytes = dim * static_cast<int64_t>(key.element_size());
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  for (int half = 0; half < 2; ++half) {
+    const at::Tensor& src = half == 0 ? key : value;
+    const char* base = static_cast<const char*>(src.data_ptr());
+    const int64_t st = src.stride(0) * src.element_size(), sh = src.stride(1) * src.element_size();
+    for (int64_t h = 0; h < heads; ++h) {
+      char* dst = cache + ((half * heads + h) * slots_per_head) * bytes;
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] >= 0) std::memcpy(dst + slots[t] * bytes, base + t * st + h * sh, bytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace KVTIDE_OPS_NS
 
@@ -934,4 +975,5 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, int k_kind, "
         "int v_kind, Tensor? kv_scale, int block_size) -> ()",
         &KVTIDE_OPS_NS::write_kv_quant);
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &KVTIDE_OPS_NS::write_kv);
 }
