@@ -194,11 +194,68 @@ inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does n
 
 // ---- attention -----------------------------------------------------------------------------------
 
-// scores[t * ld + j] = q_t . k_j for N queries and keys j in [ja, jb) of a (block_size, D) block.
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane i of the result = the sum of v[i]'s lanes, for kV = 16 vectors: pairs and quads are added
+// within 128-bit lanes, then across them: ~3 shuffles and an add per vector where a reduce_add
+// each would take ~8 dependent steps.
+inline Vec transpose_sum(const Vec* v) {
+  __m512 q[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512 a = v[4 * g], b = v[4 * g + 1], c = v[4 * g + 2], d = v[4 * g + 3];
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    q[g] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // [a b c d] per 128-bit lane
+  }
+  const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// As above for kV = 8 vectors of 8.
+inline Vec transpose_sum(const Vec* v) {
+  __m256 q[2];
+  for (int g = 0; g < 2; ++g) {
+    const __m256 a = v[4 * g], b = v[4 * g + 1], c = v[4 * g + 2], d = v[4 * g + 3];
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    q[g] = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(q[0], q[1], 0x20), _mm256_permute2f128_ps(q[0], q[1], 0x31));
+}
+#endif
+
+// scores[t][j] = q_t . k_j for N queries and keys j in [ja, jb) of a (block_size, D) block. With
+// AVX2/AVX-512, kV keys at a time: one accumulator per key, reduced together by transpose_sum.
 template <int N>
 inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, int64_t D,
                  float* const* scores) {
-  for (int64_t j = ja; j < jb; ++j) {
+  int64_t j = ja;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const int64_t dv = D - D % kV;
+  for (; j + kV <= jb; j += kV) {
+    const float* kj = k + j * D;
+    for (int t = 0; t < N; ++t) {
+      Vec acc[kV];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < kV; ++i) acc[i] = Vec(0.f);
+      for (int64_t c = 0; c < dv; c += kV) {
+        const Vec qc = Vec::loadu(q[t] + c);
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < kV; ++i) acc[i] = at::vec::fmadd(qc, Vec::loadu(kj + i * D + c), acc[i]);
+      }
+      transpose_sum(acc).store(scores[t] + j);
+      for (int64_t c = dv; c < D; ++c) {
+        for (int64_t i = 0; i < kV; ++i) scores[t][j + i] += q[t][c] * kj[i * D + c];
+      }
+    }
+  }
+#endif
+  for (; j < jb; ++j) {
     const float* kj = k + j * D;
     Vec acc[N];
     for (int t = 0; t < N; ++t) acc[t] = Vec(0.f);
@@ -222,11 +279,14 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
   int64_t c = 0;
   for (; c + kV <= D; c += kV) {
     Vec a[N];
+#pragma GCC unroll 4
     for (int t = 0; t < N; ++t) a[t] = Vec::loadu(acc[t] + c) * Vec(alpha[t]);
     for (int64_t j = ja; j < jb; ++j) {
       Vec vc = Vec::loadu(v + j * D + c);
+#pragma GCC unroll 4
       for (int t = 0; t < N; ++t) a[t] = at::vec::fmadd(Vec(p[t][j]), vc, a[t]);
     }
+#pragma GCC unroll 4
     for (int t = 0; t < N; ++t) a[t].store(acc[t] + c);
   }
   for (; c < D; ++c) {
