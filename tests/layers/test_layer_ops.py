@@ -164,14 +164,17 @@ def test_use_cpu_ops_swaps_the_layers_and_keeps_their_results():
     block = _Block()
     torch.nn.init.normal_(block.norm.weight)
     x, residual = torch.randn(3, 32), torch.randn(3, 32)
-    cos_sin = block.rotary.cos_sin(torch.tensor([0, 5, 63]))
+    positions = torch.tensor([0, 5, 63])
+    cos_sin = block.rotary.cos_sin(positions)
     qkv = torch.randn(3, 6, 16)
     expected = (block.norm(x), block.norm(x, residual.clone())[0], block.act(x),
                 block.rotary.forward_qk(cos_sin, qkv[:, :4], 3))
     assert cpu_ops.use_cpu_ops(block) == 3
     assert type(block.norm) is cpu_ops.CpuRMSNorm and type(block.act) is cpu_ops.CpuSiluAndMul
     res = residual.clone()
-    actual = (block.norm(x), block.norm(x, res)[0], block.act(x), block.rotary.forward_qk(cos_sin, qkv[:, :4], 3))
+    cos_sin_2d = block.rotary.cos_sin(positions)  # (T, D/2) tables once swapped
+    assert cos_sin_2d[0].shape == (3, 8)
+    actual = (block.norm(x), block.norm(x, res)[0], block.act(x), block.rotary.forward_qk(cos_sin_2d, qkv[:, :4], 3))
     assert torch.equal(res, residual + x)
     for a, e in zip(actual[:3], expected[:3]):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
@@ -182,6 +185,9 @@ def test_use_cpu_ops_swaps_the_layers_and_keeps_their_results():
     assert torch.equal(block.norm(xb), RMSNorm.forward(block.norm, xb))
     heads = torch.randn(2, 4, 32)
     assert torch.equal(block.norm(heads), RMSNorm.forward(block.norm, heads))
+    q16 = torch.randn(3, 2, 16, dtype=torch.float64)  # another dtype: rotated by the torch version
+    torch.testing.assert_close(block.rotary(cos_sin_2d, q16, q16)[0],
+                               RotaryEmbedding.forward(block.rotary, cos_sin, q16, q16)[0])
 
 
 def test_nothing_is_swapped_without_the_compiled_ops(monkeypatch):
