@@ -41,6 +41,8 @@ from kvtide.engine.request import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.2
+STALL_GRACE_S = 1.0
+"""A monitor tick later than this beyond its interval: this process stalled (see _monitor)."""
 """How often the client checks that the engine-core process is alive."""
 DEFAULT_ENGINE_TIMEOUT_S = 30.0
 """The watchdog's default: an engine core silent this long (no output, no answer to its pings) is
@@ -236,9 +238,19 @@ class EngineCoreClient:
         self._dead_listeners.append(listener)
 
     async def _monitor(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_tick = loop.time()
         while self.proc.poll() is None:
             await asyncio.sleep(MONITOR_INTERVAL_S)
-            if self.engine_timeout_s is not None and self._watchdog(asyncio.get_running_loop().time()):
+            now = loop.time()
+            # A tick that came late means this process was not running (a CPU hog, a blocked event
+            # loop, a suspended laptop): the engine could not be heard then, so that time is not
+            # counted as its silence; only the time this process was awake to listen is.
+            late = now - last_tick - MONITOR_INTERVAL_S
+            if late > STALL_GRACE_S:
+                self._last_heard += late
+            last_tick = now
+            if self.engine_timeout_s is not None and self._watchdog(now):
                 return
         self.mark_dead(f"engine core process exited with code {self.proc.returncode}")
 

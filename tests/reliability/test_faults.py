@@ -191,6 +191,26 @@ def test_exception_in_forward_pass(fault_server):
     assert elapsed < 2.0
 
 
+def test_whole_server_paused_past_the_watchdog_timeout_keeps_serving(watchdog_server, reference):
+    """SIGSTOP of the API process and the engine core together (what `kvtide bench compare` does to
+    an idle server while a peer is measured; a suspended machine): the time the API process was
+    stopped is not the engine's silence, so the watchdog must not call it dead once resumed."""
+    server = watchdog_server
+    pids = [server.proc.pid, server.engine_pid]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(4.0)  # twice --engine-timeout
+    finally:
+        for pid in reversed(pids):
+            os.kill(pid, signal.SIGCONT)
+    time.sleep(1.5)  # several watchdog ticks, each of which would have declared it dead
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    r = httpx.post(server.url(CMPL), headers=server.headers, json=_body("after the pause", 8, stream=False))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference.greedy("after the pause", 8)[0]
+    assert "unresponsive" not in server.log()
+
+
 def test_sigstop_engine_watchdog(watchdog_server):
     server = watchdog_server
     children = children_of(server.proc.pid)
