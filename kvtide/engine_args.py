@@ -119,10 +119,11 @@ class EngineArgs:
     its residual for that choice) and counted. Off by default, so outputs equal the checkpoint's."""
     cpu_weight_prepack: str = "auto"
     """auto, on or off: on CPU, run each float32 linear shape and row count through the GEMM kernel
-    measured fastest at load (F.linear, MKL- or oneDNN-packed weights; results within a few times
-    F.linear's rounding error; verdicts cached per machine). A packed kernel keeps a copy of the
-    weight (auto: only when the copies fit in a quarter of free memory); on: a packed kernel
-    wherever one is accurate, whatever the speed; off: F.linear always."""
+    measured fastest at load (F.linear, MKL- or oneDNN-packed weights, kvtide's weight panels;
+    results within a few times F.linear's rounding error; verdicts cached per machine). A packed
+    kernel keeps a copy of the weight, at most two per layer (auto: only when the copies fit in a
+    quarter of free memory); on: a packed kernel wherever one is accurate, whatever the speed; off:
+    F.linear always."""
     kv_transfer_config: str | dict | None = None
     """KV beyond the device pool, as JSON: {"kv_connector": "cpu_offload" | "redis" | "multi" | "p2p",
     "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}: cpu_offload keeps blocks the pool evicts

@@ -358,21 +358,22 @@ def _passing(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, names: li
 
 
 # ---- choosing ------------------------------------------------------------------------------------
-def choose(verdicts: dict[str, dict[str, float | None]], mode: str) -> dict[str, str]:
-    """Bucket -> candidate, from measure_shape's verdicts, with at most MAX_PACKED_KINDS packed kinds
+def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS
+           ) -> dict[str, str]:
+    """Bucket -> candidate, from measure_shape's verdicts, with at most `max_kinds` packed kinds
     per shape.
 
     'auto': the fastest passing candidate, another than F.linear only if it is MARGIN faster.
     'on': the fastest passing packed candidate wherever one passes, whatever the speed."""
     choices = _choose_each(verdicts, mode, allowed=None)
     kinds = {c for c in choices.values() if c != F_LINEAR}
-    if len(kinds) > MAX_PACKED_KINDS:  # keep the kinds that save the most time over the buckets they won
+    if len(kinds) > max_kinds:  # keep the kinds that save the most time over the buckets they won
         def saving(kind: str) -> float:
             return sum((verdicts[b][F_LINEAR] or 0.0) - (verdicts[b][kind] or 0.0)
                        for b, c in choices.items() if c == kind)
         ranked = sorted(sorted(kinds), key=lambda k: (sum(c == k for c in choices.values()) if mode == "on" else 0,
                                                       saving(k)), reverse=True)
-        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:MAX_PACKED_KINDS]})
+        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:max_kinds]})
     return choices
 
 
@@ -471,17 +472,25 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         LAST_CHOICES.update({shape_key(m.weight, _bias(m)): {b.name: F_LINEAR for b in BUCKETS} for m in layers})
     if mode == "off" or not layers:
         return 0
-    choices = _choices_by_shape(layers, mode, use_cache)
-    LAST_CHOICES.update(choices)
-    copies = sum(layer.weight.nbytes * len(set(choices[shape_key(layer.weight, _bias(layer))].values()) - {F_LINEAR})
-                 for layer in layers)
+    verdicts = _verdicts_by_shape(layers, use_cache)
+    choices = {skey: choose(v, mode) for skey, v in verdicts.items()}
+    copies = _copy_bytes(layers, choices)
     if mode == "auto":
         budget = (_available_memory() if available_bytes is None else available_bytes) // 4
+        if copies > budget:  # one packed kind per layer may still fit
+            one_kind = {skey: choose(v, mode, max_kinds=1) for skey, v in verdicts.items()}
+            if _copy_bytes(layers, one_kind) <= budget:
+                logger.info("GEMM: one packed kind per layer: %.1f GiB of copies for two exceed a quarter of "
+                            "free memory", copies / 2**30)
+                choices, copies = one_kind, _copy_bytes(layers, one_kind)
         if copies > budget:
             logger.info("GEMM: F.linear only: %.1f GiB of packed copies exceed a quarter of free memory",
                         copies / 2**30)
             LAST_CHOICES.update({k: dict.fromkeys(v, F_LINEAR) for k, v in choices.items()})
             return 0
+    for skey, chosen in choices.items():
+        logger.info("GEMM %s: %s", skey, format_choices(chosen))
+    LAST_CHOICES.update(choices)
     planned = 0
     for layer in layers:
         chosen = choices[shape_key(layer.weight, _bias(layer))]
@@ -499,38 +508,44 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
     return getattr(layer, "bias", None)
 
 
-def _choices_by_shape(layers: list[nn.Module], mode: str, use_cache: bool) -> dict[str, dict[str, str]]:
-    """Measure each distinct shape once (or read its verdicts from the disk cache) and choose."""
+def _copy_bytes(layers: list[nn.Module], choices: dict[str, dict[str, str]]) -> int:
+    """Bytes of the packed copies `choices` makes: one copy of a layer's weight per packed kind."""
+    return sum(layer.weight.nbytes * len(set(choices[shape_key(layer.weight, _bias(layer))].values()) - {F_LINEAR})
+               for layer in layers)
+
+
+def _verdicts_by_shape(layers: list[nn.Module], use_cache: bool) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Measure each distinct shape once, or read its verdicts from the disk cache; a shape left
+    unmeasured (MEASURE_BUDGET_S) has F.linear's verdict alone."""
     key = machine_key()
     path = cache_path(key)
     cached = load_cache(path) if use_cache else {}
     names = available_candidates()
     new: dict[str, dict] = {}
-    choices: dict[str, dict[str, str]] = {}
+    by_shape: dict[str, dict[str, dict[str, float | None]]] = {}
     start = time.perf_counter()
     for layer in layers:
         weight, bias = layer.weight, _bias(layer)
         skey = shape_key(weight, bias)
-        if skey in choices:
+        if skey in by_shape:
             continue
         verdicts = cached.get(skey)
         if verdicts is None or {b.name for b in BUCKETS} - verdicts.keys():
             if time.perf_counter() - start > MEASURE_BUDGET_S:
                 logger.info("GEMM %s: f.linear (measuring ran past %.0f s; not measured)", skey, MEASURE_BUDGET_S)
-                choices[skey] = {b.name: F_LINEAR for b in BUCKETS}
+                by_shape[skey] = {b.name: {F_LINEAR: 1.0} for b in BUCKETS}
                 continue
             packed = {n: CANDIDATES[n].prepare(weight) for n in names if CANDIDATES[n].prepare}
             verdicts = new[skey] = measure_shape(weight, bias, names, packed)
             MEASURED_SHAPES.append(skey)
-        choices[skey] = choose(verdicts, mode)
-        logger.info("GEMM %s: %s%s", skey, format_choices(choices[skey]),
-                    "" if skey not in new else f" (measured: {format_verdicts(verdicts)})")
+            logger.info("GEMM %s measured: %s", skey, format_verdicts(verdicts))
+        by_shape[skey] = verdicts
     if new:
         logger.info("GEMM: measured %d shapes in %.2f s on %s", len(new), time.perf_counter() - start,
                     key["cpu_model"])
         if use_cache:
             save_cache(path, key, new)
-    return choices
+    return by_shape
 
 
 def gemm_choices(mode: str = "auto") -> dict[str, dict[str, str]]:

@@ -199,16 +199,20 @@ def test_at_most_two_packed_kinds_per_layer():
     assert set(cpu_gemm.choose(verdicts, "on").values()) == {"mkl-packed"}
 
 
-def test_auto_counts_one_copy_per_packed_kind(monkeypatch):
+def test_auto_counts_one_copy_per_packed_kind_and_falls_back_to_one_kind(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda weight, bias, names, packed: {
         b.name: {name: (0.5 if (name == "panels") == (i == 0) else 1.0) if name != F_LINEAR else 1.0
                  for name in names} for i, b in enumerate(BUCKETS)})
     monkeypatch.setattr(cpu_gemm, "available_candidates", lambda: [F_LINEAR, "panels", "onednn-packed"])
     need = 4 * 2 * sum(m.weight.nbytes for m in _layers())  # two copies of every weight
-    assert prepack_weights(_layers(), "auto", available_bytes=need - 4, use_cache=False) == 0
     model = _layers()
     assert prepack_weights(model, "auto", available_bytes=need, use_cache=False) == 3
     assert all(set(layer.gemm_plan.packed) == {"panels", "onednn-packed"} for layer in model)
+    # Room for one copy, not two: each layer keeps the kind that saves the most (onednn, 4 buckets).
+    model = _layers()
+    assert prepack_weights(model, "auto", available_bytes=need - 4, use_cache=False) == 3
+    assert all(set(layer.gemm_plan.packed) == {"onednn-packed"} for layer in model)
+    assert prepack_weights(_layers(), "auto", available_bytes=need // 2 - 4, use_cache=False) == 0
 
 
 def test_packing_leaves_the_weights_and_state_dict_alone(monkeypatch):
