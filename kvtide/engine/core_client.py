@@ -41,9 +41,9 @@ from kvtide.engine.request import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.2
+"""How often the client checks that the engine-core process is alive."""
 STALL_GRACE_S = 1.0
 """A monitor tick later than this beyond its interval: this process stalled (see _monitor)."""
-"""How often the client checks that the engine-core process is alive."""
 DEFAULT_ENGINE_TIMEOUT_S = 30.0
 """The watchdog's default: an engine core silent this long (no output, no answer to its pings) is
 declared dead. It must exceed the longest single step (a long prefill on a CPU, a first step that

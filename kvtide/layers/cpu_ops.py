@@ -9,8 +9,8 @@ interfaces of their torch versions.
 On a narrow model these ops cost more in per-call overhead than in arithmetic (SmolLM2: 30 layers,
 576 wide), which is where most of a batch-1 decode step's non-GEMM time went. `use_cpu_ops(model)`
 swaps the classes of a built model's layers, as layers/triton_ops.py does on CUDA; the model runner
-applies it to float32 models on the CPU when the ops compile. Inputs the ops do not take (another
-dtype, rows that are not contiguous) go to the torch version, which stays the reference.
+applies it on the CPU when the ops compile. Inputs the ops do not take (not float32, not 2-D rows
+with unit stride) go to the torch version, which stays the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _takes(x: torch.Tensor) -> bool:
 class CpuRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not _takes(x) or self.weight.dtype != torch.float32 or (residual is not None and not _takes(residual)):
+        if (not _takes(x) or self.weight.dtype != torch.float32
+                or (residual is not None and not _takes(residual))):
             return super().forward(x, residual)
         if residual is None:
             return layer_ops.rms_norm(x, self.weight, self.eps)

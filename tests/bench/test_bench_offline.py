@@ -50,7 +50,10 @@ def test_throughput_module_entry_point_skip_hf(llama_dir, tmp_path):
     result = json.loads(out.read_text())
     assert "hf" not in result and result["kvtide"]["output_tokens"] == 6
     profile = result["kvtide_profile"]
-    assert profile["top"] and 0 < profile["ops_ms"] and any(row["op"] == "aten::mm" for row in profile["top"])
+    # The linears show up under whichever GEMM kernel the chooser picked on this machine.
+    gemm_ops = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+    assert profile["top"] and 0 < profile["ops_ms"]
+    assert any(row["op"] in gemm_ops or row["op"].endswith("::linear_panels") for row in profile["top"]), profile["top"]
     assert main(["--model", str(tmp_path / "nope")]) == 2
 
 

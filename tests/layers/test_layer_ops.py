@@ -176,9 +176,9 @@ def test_use_cpu_ops_swaps_the_layers_and_keeps_their_results():
     assert cos_sin_2d[0].shape == (3, 8)
     actual = (block.norm(x), block.norm(x, res)[0], block.act(x), block.rotary.forward_qk(cos_sin_2d, qkv[:, :4], 3))
     assert torch.equal(res, residual + x)
-    for a, e in zip(actual[:3], expected[:3]):
+    for a, e in zip(actual[:3], expected[:3], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
-    for a, e in zip(actual[3], expected[3]):
+    for a, e in zip(actual[3], expected[3], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
     # Inputs the ops do not take go to the torch versions: bfloat16, 3-D (per-head q/k norms).
     xb = x.bfloat16()
