@@ -254,7 +254,8 @@ inline void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t 
   }
 }
 
-void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                   const std::optional<at::Tensor>& bias) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "x and out must be contiguous");
