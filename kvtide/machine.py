@@ -41,6 +41,25 @@ def cpu_model_name() -> str:
     return f"{name} ({', '.join(ids)})" if ids else name
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache of the first core (sysfs), or None where it cannot be read."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = []
+    try:
+        indexes = [name for name in os.listdir(base) if name.startswith("index")]
+    except OSError:
+        return None
+    for index in indexes:
+        try:
+            with open(os.path.join(base, index, "size")) as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=None)
+
+
 def cpu_isa() -> str:
     """The vector ISA torch's CPU kernels dispatch to (e.g. AVX512, AVX2, DEFAULT)."""
     import torch

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtide.layers import layer_ops
-from kvtide.machine import machine_info
+from kvtide.machine import last_level_cache_bytes, machine_info
 from kvtide.models.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
@@ -298,17 +298,8 @@ def measure_shape(weight: torch.Tensor, bias: torch.Tensor | None, names: list[s
 
 
 def stream_bytes() -> int:
-    """Twice the last-level cache (from sysfs; 64 MiB where it cannot be read), at most 256 MiB."""
-    llc = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for index in os.listdir(base):
-            with open(os.path.join(base, index, "size")) as f:
-                text = f.read().strip()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            llc = max(llc, int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        llc = 0
+    """Twice the last-level cache (64 MiB where it cannot be read), at most 256 MiB."""
+    llc = last_level_cache_bytes()
     return min(2 * llc if llc else 64 << 20, 256 << 20)
 
 

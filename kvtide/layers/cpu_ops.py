@@ -40,33 +40,27 @@ class CpuRMSNorm(RMSNorm):
 
 
 class CpuRotaryEmbedding(RotaryEmbedding):
-    """Rotates in place. Its cos_sin gives (T, D/2) tables (once per step, shared by every layer),
-    which the compiled op reads as they are; the torch fallback gets them as (T, 1, D/2) views."""
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = super().cos_sin(positions)
-        return cos[:, 0], sin[:, 0]
-
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like RotaryEmbedding.forward, but q and k are rotated in place (and returned)."""
         cos, sin = cos_sin
         if not (_rotatable(q, cos) and _rotatable(k, cos)):
-            return super().forward((cos.unsqueeze(1), sin.unsqueeze(1)), q, k)
+            return super().forward(cos_sin, q, k)
         return layer_ops.rotary_embedding_(q, cos, sin), layer_ops.rotary_embedding_(k, cos, sin)
 
     def forward_qk(self, cos_sin: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, num_q_heads: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin
         if not _rotatable(qk, cos):
-            return super().forward_qk((cos.unsqueeze(1), sin.unsqueeze(1)), qk, num_q_heads)
+            return super().forward_qk(cos_sin, qk, num_q_heads)
         layer_ops.rotary_embedding_(qk, cos, sin)
         return qk[:, :num_q_heads], qk[:, num_q_heads:]
 
 
 def _rotatable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x (T, H, D) float32 with unit-stride heads, and cos_sin's (T, 1, D/2) covering all of D."""
     return (x.dtype == torch.float32 and cos.dtype == torch.float32 and x.device.type == "cpu"
-            and x.dim() == 3 and x.stride(-1) == 1 and cos.dim() == 2 and cos.shape[-1] * 2 == x.shape[-1])
+            and x.dim() == 3 and x.stride(-1) == 1 and cos.shape[-1] * 2 == x.shape[-1])
 
 
 class CpuSiluAndMul(SiluAndMul):

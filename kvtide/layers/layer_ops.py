@@ -55,7 +55,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) rotated in place by cos, sin (T, D/2); returns x."""
+    """x (T, H, D) rotated in place by cos, sin (T, D/2) or (T, 1, D/2); returns x."""
     layer_op("rotary_embedding")(x, cos, sin)
     return x
 

@@ -88,7 +88,10 @@ def test_rotary_embedding_in_place_on_a_fused_qkv(isa, tokens, q_heads, kv_heads
     angles = torch.rand(tokens, half, generator=gen, dtype=torch.float64) * 6
     cos, sin = angles.cos().float(), angles.sin().float()
     qk = qkv[:, :q_heads + kv_heads]
-    op("rotary_embedding", isa)(qk, cos, sin)
+    if tokens % 2:  # RotaryEmbedding.cos_sin's (T, 1, D/2) form
+        op("rotary_embedding", isa)(qk, cos[:, None], sin[:, None])
+    else:
+        op("rotary_embedding", isa)(qk, cos, sin)
     x1, x2 = before[:, :q_heads + kv_heads, :half].double(), before[:, :q_heads + kv_heads, half:].double()
     c, s = cos.double()[:, None], sin.double()[:, None]
     _close(qkv[:, :q_heads + kv_heads], torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
@@ -142,6 +145,8 @@ def test_bad_input_is_refused_with_a_message():
         op("silu_and_mul", isa)(torch.empty(2, 3), x)
     with pytest.raises(RuntimeError, match="cos and sin must be float32"):
         op("rotary_embedding", isa)(torch.randn(2, 1, 8), torch.ones(2, 3), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="cos and sin must be float32"):
+        op("rotary_embedding", isa)(torch.randn(2, 1, 8), torch.ones(2, 2, 4), torch.ones(2, 2, 4))
     with pytest.raises(RuntimeError, match="panels must be float32"):
         op("linear_panels", isa)(torch.empty(2, 16), x, torch.zeros(1, 9, 16), None)
     with pytest.raises(RuntimeError, match="out must be"):
@@ -172,9 +177,7 @@ def test_use_cpu_ops_swaps_the_layers_and_keeps_their_results():
     assert cpu_ops.use_cpu_ops(block) == 3
     assert type(block.norm) is cpu_ops.CpuRMSNorm and type(block.act) is cpu_ops.CpuSiluAndMul
     res = residual.clone()
-    cos_sin_2d = block.rotary.cos_sin(positions)  # (T, D/2) tables once swapped
-    assert cos_sin_2d[0].shape == (3, 8)
-    actual = (block.norm(x), block.norm(x, res)[0], block.act(x), block.rotary.forward_qk(cos_sin_2d, qkv[:, :4], 3))
+    actual = (block.norm(x), block.norm(x, res)[0], block.act(x), block.rotary.forward_qk(cos_sin, qkv[:, :4], 3))
     assert torch.equal(res, residual + x)
     for a, e in zip(actual[:3], expected[:3], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
@@ -186,7 +189,7 @@ def test_use_cpu_ops_swaps_the_layers_and_keeps_their_results():
     heads = torch.randn(2, 4, 32)
     assert torch.equal(block.norm(heads), RMSNorm.forward(block.norm, heads))
     q16 = torch.randn(3, 2, 16, dtype=torch.float64)  # another dtype: rotated by the torch version
-    torch.testing.assert_close(block.rotary(cos_sin_2d, q16, q16)[0],
+    torch.testing.assert_close(block.rotary(cos_sin, q16, q16)[0],
                                RotaryEmbedding.forward(block.rotary, cos_sin, q16, q16)[0])
 
 

@@ -165,10 +165,12 @@ void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "qk must be (T, H, D) with contiguous heads");
   const int64_t tokens = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
   TORCH_CHECK(qk.size(2) == 2 * half, "head size must be even");
+  // (T, D/2), or RotaryEmbedding.cos_sin's (T, 1, D/2): one row of D/2 per token either way.
   for (const at::Tensor* t : {&cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == tokens && t->size(1) == half &&
-                    t->stride(1) == 1,
-                "cos and sin must be float32 (T, D/2) = (", tokens, ", ", half, "), got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == at::kFloat && (t->dim() == 2 || (t->dim() == 3 && t->size(1) == 1)) &&
+                    t->size(0) == tokens && t->size(-1) == half && t->stride(-1) == 1,
+                "cos and sin must be float32 (T, D/2) or (T, 1, D/2) with T = ", tokens, ", D/2 = ", half,
+                ", got ", t->sizes());
   }
   at::parallel_for(0, tokens, row_grain(heads * half * 2), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
