@@ -93,8 +93,10 @@ def test_merge_stats_sums_the_replicas():
 # ---- one DP=2 server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dp_server(llama_dir):
+    # A 10 ms floor per step keeps the last test's 400-token streams running well past a replica's
+    # death (detected within 3 s); on a fast machine a stream could otherwise end before it.
     handle = start_server(llama_dir, "--data-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "4MiB",
-                          "--max-num-seqs", "8")
+                          "--max-num-seqs", "8", env={"KVTIDE_FAULT_INJECT": "sleep_s=0.01"})
     try:
         yield handle
     finally:
