@@ -71,10 +71,13 @@ def servers(llama_dir):
     flags = {"open": (["--max-num-seqs", "4", "--max-model-len", str(LONG_MODEL_LEN)], None),
              "keyed": (["--max-num-seqs", "4"], API_KEY),
              "no_ui": (["--max-num-seqs", "4", "--no-ui"], None)}
+    # The open server's steps take at least 10 ms, so the long answer the Stop test aborts cannot
+    # finish (4,032 tokens in under 40 s) before the click reaches it, however fast decode gets.
+    envs = {"open": {"KVTIDE_FAULT_INJECT": "sleep_s=0.01"}}
     handles = {}
     try:
         for name, (args, key) in flags.items():
-            handles[name] = start_server(llama_dir, *args, api_key=key)
+            handles[name] = start_server(llama_dir, *args, api_key=key, env=envs.get(name))
         for handle in handles.values():
             wait_ready(handle)
         yield handles
