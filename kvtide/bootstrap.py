@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvtide.config import EngineConfig
 from kvtide.engine.core import EngineCore
 from kvtide.engine_args import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from kvtide.kv_cache.hybrid import blocks_held
 from kvtide.kv_cache.manager import max_blocks_held
 
 if TYPE_CHECKING:
@@ -73,14 +74,18 @@ def _num_kv_blocks(config: EngineConfig, bytes_per_block: int, gpu_memory: int |
     elif gpu_memory is not None:
         memory = gpu_memory
     else:
-        # No more than the scheduler could ever fill.
+        # No more than the scheduler could ever fill (a block per layer group and position).
         tokens = config.scheduler_config.max_num_seqs * config.model_config.max_model_len
-        memory = min(CPU_DEFAULT_KV_CACHE_MEMORY, tokens // cache.block_size * bytes_per_block + bytes_per_block)
+        blocks = tokens // cache.block_size * len(cache.kv_cache_groups or (None,))
+        memory = min(CPU_DEFAULT_KV_CACHE_MEMORY, blocks * bytes_per_block + bytes_per_block)
     num_blocks = memory // bytes_per_block
     max_model_len = config.model_config.max_model_len
     # Under a sliding window (or sinks + window) a request holds only the blocks its window spans.
-    needed = max_blocks_held(max_model_len, config.scheduler_config.max_num_batched_tokens, cache.block_size,
-                             cache.sliding_window, cache.kv_sink_tokens)
+    step = config.scheduler_config.max_num_batched_tokens
+    if cache.kv_cache_groups:
+        needed = blocks_held(cache.kv_cache_groups, max_model_len, step, cache.block_size)
+    else:
+        needed = max_blocks_held(max_model_len, step, cache.block_size, cache.sliding_window, cache.kv_sink_tokens)
     if num_blocks < needed:
         utilization = (f"raise gpu_memory_utilization (now {cache.gpu_memory_utilization}), "
                        if cache.kv_cache_memory is None and gpu_memory is not None else "")

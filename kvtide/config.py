@@ -113,6 +113,9 @@ class CacheConfig:
     """'score': drop the KV blocks with the least accumulated attention (kv_compression/score_dropping.py)."""
     kv_drop_budget: float | None = None
     """Fraction of a request's full KV blocks the score policy keeps."""
+    kv_cache_groups: tuple | None = None
+    """Models mixing full and windowed attention layers: the layer groups (kv_cache/hybrid.py
+    KVCacheGroup), each with a block table of its own; None: one table per request."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kvtide.config import (
     resolve_dtype,
 )
 from kvtide.distributed.config_checks import resolve_parallel_config
-from kvtide.kv_compression.policy import resolve_kv_policy
+from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
 from kvtide.layers.quantization import resolve_quantization
 from kvtide.spec_decode.resolve import resolve_speculative_config
@@ -113,6 +113,10 @@ class EngineArgs:
     with prefix caching or speculative decoding; the torch attention paths compute the scores."""
     kv_drop_budget: float | None = None
     """Fraction in (0, 1] of a request's full KV blocks that --kv-drop-policy score keeps."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Models mixing full and sliding-window attention layers keep one block table per layer kind,
+    so the windowed layers' blocks outside the window go back to the pool; this keeps one table per
+    request instead (nothing freed). Either way outputs are the same."""
     moe_capacity_factor: float | None = None
     """Mixture-of-experts models: cap the token assignments each expert takes in a step at C times
     its even share (tokens x top_k / experts); assignments past the cap are skipped (the token keeps
@@ -270,6 +274,8 @@ class EngineArgs:
         check_model_options(self, hf_config)
         parallel = resolve_parallel_config(self, hf_config, device, quant_config, speculative)
         kv_transfer = self._resolve_kv_transfer(parallel, kv_policy)
+        kv_policy["kv_cache_groups"] = resolve_kv_cache_groups(self, hf_config, kv_policy, speculative, parallel,
+                                                               kv_transfer)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if speculative is not None and async_scheduling:
             if self.async_scheduling:

@@ -53,6 +53,9 @@ class AttentionMetadata:
     has_dropped_blocks: bool = False
     """Some block table entries are -1: blocks the KV drop policy removed, which no query attends
     (their positions keep counting, for rotary embeddings and the causal mask)."""
+    groups: list[AttentionMetadata] | None = None
+    """Layer groups with tables of their own (kv_cache/hybrid.py): group g's metadata, which differs
+    only in block_tables and slot_mapping, for the layers of group g (this object is group 0's)."""
 
 
 class AttentionBackend(abc.ABC):

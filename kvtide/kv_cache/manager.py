@@ -81,6 +81,27 @@ def max_blocks_held(num_tokens: int, max_step_tokens: int, block_size: int, slid
 
 
 @dataclass
+class SlotPlan:
+    """What `allocate_slots` would take, worked out before anything is taken, so that a hybrid
+    manager (kv_cache/hybrid.py) can check every layer group's need against their one pool first."""
+
+    req_blocks: list[TableEntry]
+    num_new_computed_tokens: int
+    num_tokens_after: int
+    """Tokens in the request's KV once the step is computed."""
+    hits: list[TableEntry]
+    live_hits: list[KVCacheBlock]
+    num_new_blocks: int
+    to_copy: list[int]
+    """Table indices of shared or published blocks the step writes into (copied first)."""
+
+    @property
+    def blocks_needed(self) -> int:
+        """Blocks the plan takes off the free queue: new ones, copies, and hits sitting there."""
+        return self.num_new_blocks + len(self.to_copy) + sum(1 for b in self.live_hits if b.ref_cnt == 0)
+
+
+@dataclass
 class PrefixCacheStats:
     """Counters in tokens: how many prompt tokens were looked up and how many were hits."""
 
@@ -92,7 +113,8 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", sliding_window: int | None = None,
-                 sink_tokens: int = 0, drop_budget: float | None = None) -> None:
+                 sink_tokens: int = 0, drop_budget: float | None = None, pool: BlockPool | None = None,
+                 group_id: int = 0) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if sink_tokens < 0:
@@ -100,7 +122,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_algo)
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
+        self.group_id = group_id
+        """The layer group this manager keeps tables for (a hybrid manager runs one per group over one
+        shared pool, kv_cache/hybrid.py). Group 0 counts the prefix-cache stats; the keys of the other
+        groups' published blocks carry their group, so no two groups ever share a block."""
         self.sliding_window = sliding_window
         """Every query attends within this window (plus the sinks); None: full attention, nothing freed."""
         self.sink_tokens = sink_tokens
@@ -157,11 +183,15 @@ class KVCacheManager:
         hits = self._longest_cached_chain(request.block_hashes[:max_hit_blocks])
         return hits, len(hits) * self.block_size
 
+    def _key(self, block_hash):
+        """The pool key of a block hash in this manager's layer group."""
+        return block_hash if self.group_id == 0 else (self.group_id, block_hash)
+
     def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a request's lookup once, when it is admitted: not each step it waits for blocks,
         nor its resume after a preemption."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None \
-                or request.num_preemptions > 0:
+                or request.num_preemptions > 0 or self.group_id:
             return
         self.prefix_stats.requests += 1
         self.prefix_stats.queries += request.num_tokens
@@ -179,7 +209,7 @@ class KVCacheManager:
         """Cached blocks matching the keys in order, each computed right after the previous one."""
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_cached_block(self._key(block_hash))
             if block is None or not block.follows(hits[-1] if hits else None):
                 break
             hits.append(block)
@@ -196,31 +226,45 @@ class KVCacheManager:
         Under a sliding window, the blocks no query from this step on reads are freed first (they
         are freed even if the step does not fit), and prefix hits outside the window are not taken.
         Returns the newly allocated blocks, or None, changing nothing else, when the pool is short."""
+        plan = self.plan_slots(request, num_new_tokens, new_computed_blocks, num_new_computed_tokens)
+        if plan.blocks_needed > self.pool.num_free_blocks:
+            self.cancel_slots(request, plan)
+            return None
+        return self.commit_slots(request, plan)
+
+    def plan_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None,
+                   num_new_computed_tokens: int) -> SlotPlan:
+        """allocate_slots' first half: frees what left the window (or the drop budget) and works out
+        what the step takes; nothing is taken yet."""
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         self._free_outside_window(request, req_blocks, num_computed)
         self._drop_low_mass_blocks(request.request_id, req_blocks, num_computed)
         hits = self._hits_in_window(new_computed_blocks or [], len(req_blocks), num_computed)
-        live_hits = [b for b in hits if isinstance(b, KVCacheBlock)]
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(num_required - len(req_blocks) - len(hits), 0)
         to_copy = [i for i in range(num_computed // self.block_size, len(req_blocks))
                    if req_blocks[i].ref_cnt > 1 or req_blocks[i].block_hash is not None]
-        # Hits sitting in the free queue stop being allocatable once we take them.
-        num_hits_in_free_queue = sum(1 for b in live_hits if b.ref_cnt == 0)
-        if num_new_blocks + len(to_copy) > self.pool.num_free_blocks - num_hits_in_free_queue:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
+        return SlotPlan(req_blocks, num_new_computed_tokens,
+                        num_computed + num_new_tokens, hits, [b for b in hits if isinstance(b, KVCacheBlock)],
+                        max(num_required - len(req_blocks) - len(hits), 0), to_copy)
+
+    def cancel_slots(self, request: Request, plan: SlotPlan) -> None:
+        """The pool is short: a request that held nothing before holds nothing after."""
+        if not plan.req_blocks:
+            self.req_to_blocks.pop(request.request_id, None)
+
+    def commit_slots(self, request: Request, plan: SlotPlan) -> list[KVCacheBlock]:
+        """allocate_slots' second half: take the hits, the copies and the new blocks (they fit)."""
+        req_blocks = plan.req_blocks
         if not req_blocks:
-            self._record_prefix_lookup(request, num_new_computed_tokens)
-        if to_copy:
-            self._copy_on_write(request.request_id, req_blocks, to_copy)
-        self.pool.touch(live_hits)
-        req_blocks.extend(hits)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            self._record_prefix_lookup(request, plan.num_new_computed_tokens)
+        if plan.to_copy:
+            self._copy_on_write(request.request_id, req_blocks, plan.to_copy)
+        self.pool.touch(plan.live_hits)
+        req_blocks.extend(plan.hits)
+        new_blocks = self.pool.get_new_blocks(plan.num_new_blocks)
         req_blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        self._cache_full_blocks(request, plan.num_tokens_after)
         return new_blocks
 
     # ---- sliding window --------------------------------------------------------------------
@@ -305,7 +349,7 @@ class KVCacheManager:
         for i in range(start, num_full):
             block = blocks[i]
             if isinstance(block, KVCacheBlock):
-                self.pool.cache_block(block, request.block_hashes[i], self._lineage(request, i - 1) if i else None)
+                self.pool.cache_block(block, self._key(request.block_hashes[i]), self._lineage(request, i - 1) if i else None)
         self._num_cached_blocks[req_id] = num_full
 
     def _lineage(self, request: Request, index: int) -> KVCacheBlock | FreedBlock:
@@ -322,7 +366,7 @@ class KVCacheManager:
         else published first thus still extends the published chain."""
         if block.block_hash is not None:
             return block
-        published = self.pool.get_cached_block(block_hash)
+        published = self.pool.get_cached_block(self._key(block_hash))
         if published is not None and published.parent == block.parent:
             return published
         return block
@@ -396,11 +440,16 @@ class KVCacheManager:
         it, and freed entries are one run past the sink blocks."""
         self.pool.check_integrity()
         holders: dict[int, int] = {}
+        self.count_holders(holders)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), (block, holders.get(block.block_id))
+
+    def count_holders(self, holders: dict[int, int]) -> None:
+        """Add, per block id, the live tables of this manager holding it (checking each table's
+        freed run on the way)."""
         for blocks in self.req_to_blocks.values():
             freed = [i for i, b in enumerate(blocks) if isinstance(b, FreedBlock) and b.block_id != DROPPED_BLOCK_ID]
             assert freed == list(range(self._num_sink_blocks, self._num_sink_blocks + len(freed))), freed
             for b in blocks:
                 if isinstance(b, KVCacheBlock):
                     holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        for block in self.pool.blocks:
-            assert block.ref_cnt == holders.get(block.block_id, 0), (block, holders.get(block.block_id))

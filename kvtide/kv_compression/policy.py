@@ -4,12 +4,18 @@ score-based dropping, and the window the scheduler may free blocks against.
     every layer windowed (the model's own windows, or --kv-window-tokens)
         -> CacheConfig.sliding_window = the widest of them: blocks wholly before
            (first query position - window + 1) are never read again by any layer
-    any full-attention layer -> None: nothing can be freed from a single block table
+    any full-attention layer -> None: nothing can be freed from a single block table, so
+    full and windowed layers mixed -> CacheConfig.kv_cache_groups: a table per layer kind
+                                      (kv_cache/hybrid.py), the windowed ones freeing
 """
 
 from __future__ import annotations
 
+import logging
+
 from kvtide.kv_compression.formats import KV_CACHE_DTYPES, QUANT_KV_DTYPES
+
+logger = logging.getLogger(__name__)
 
 DROP_POLICIES = ("score",)
 
@@ -69,6 +75,34 @@ def resolve_kv_policy(args, hf_config, attention_backend: str) -> dict:
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 sliding_window=free_window, kv_sink_tokens=sinks if window is not None else 0,
                 kv_window_tokens=window, kv_drop_policy=policy, kv_drop_budget=budget)
+
+
+def resolve_kv_cache_groups(args, hf_config, kv_policy: dict, speculative, parallel, kv_transfer):
+    """The layer groups of a model mixing full and windowed layers (kv_cache/hybrid.py), or None:
+    one table per request. Where a part of the engine moves or reads whole single tables (a KV
+    connector, a draft model's own layers, the drop policy's scores, ranks beyond one), it keeps
+    one table, which is as correct and frees nothing; the log says why."""
+    from kvtide.kv_cache.hybrid import plan_kv_cache_groups
+
+    if kv_policy["sliding_window"] is not None:  # every layer windowed: one table frees them all
+        return None
+    windows = [effective_window(w, args.kv_window_tokens) for w in layer_windows(hf_config)]
+    groups = plan_kv_cache_groups(windows)
+    if groups is None:
+        return None
+    reasons = {"--disable-hybrid-kv-cache-manager": args.disable_hybrid_kv_cache_manager,
+               "a KV connector": kv_transfer is not None,
+               "--kv-drop-policy": kv_policy["kv_drop_policy"] is not None,
+               "a draft model's layers": speculative is not None and speculative.method != "ngram",
+               "tensor or pipeline parallelism": parallel.world_size > 1}
+    why = [name for name, applies in reasons.items() if applies]
+    if why:
+        logger.info("full and sliding-window layers share one block table per request (%s): blocks outside "
+                    "the window are not freed", ", ".join(why))
+        return None
+    logger.info("KV cache: %d layer groups of %d layers (full and sliding-window layers keep their own "
+                "block tables)", len(groups), max(len(g.layers) for g in groups))
+    return groups
 
 
 def apply_attention_window(layers: list, cache_config) -> None:

@@ -31,11 +31,15 @@ class Attention(nn.Module):
         """fp8 caches' per-tensor K and V scales (x = code * scale): the checkpoint's k_scale and
         v_scale, calculated from the first forward pass (`calculate_kv_scales`), or 1.0."""
         self.calculate_kv_scales = False
+        self.kv_group = 0
+        """The layer group whose block table this layer reads (kv_cache/hybrid.py; 0 without groups)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q (T, H, D), k and v (T, H_kv, D) -> (T, H * D)."""
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
+        if metadata.groups is not None:
+            metadata = metadata.groups[self.kv_group]
         if self.calculate_kv_scales:
             from kvtide.kv_compression.scales import calculate_kv_scale
 

@@ -45,6 +45,7 @@ from kvtide.engine.messages import (
     observe_iteration_tokens,
 )
 from kvtide.engine.request import Request, RequestStatus
+from kvtide.kv_cache.hybrid import HybridKVCacheManager
 from kvtide.kv_cache.manager import KVCacheManager
 from kvtide.scheduler.output import (
     CachedRequestData,
@@ -73,13 +74,19 @@ class Scheduler:
         """MoE models: assignments per sparse layer and expert so far (from the runner's reports)."""
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching,
-                                               cache_config.prefix_caching_hash_algo,
-                                               sliding_window=cache_config.sliding_window,
-                                               sink_tokens=cache_config.kv_sink_tokens,
-                                               drop_budget=cache_config.kv_drop_budget
-                                               if cache_config.kv_drop_policy == "score" else None)
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if cache_config.kv_cache_groups:  # full and windowed layers: a table per layer group
+            self.kv_cache_manager = HybridKVCacheManager(cache_config.kv_cache_groups, cache_config.num_blocks,
+                                                         cache_config.block_size, cache_config.enable_prefix_caching,
+                                                         cache_config.prefix_caching_hash_algo)
+        else:
+            self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                                   cache_config.enable_prefix_caching,
+                                                   cache_config.prefix_caching_hash_algo,
+                                                   sliding_window=cache_config.sliding_window,
+                                                   sink_tokens=cache_config.kv_sink_tokens,
+                                                   drop_budget=cache_config.kv_drop_budget
+                                                   if cache_config.kv_drop_policy == "score" else None)
         self.kv_connector = kv_connector
         """The scheduler half of a KV connector (disagg/base.py), or None."""
         self._kept_for_connector: dict[str, Request] = {}

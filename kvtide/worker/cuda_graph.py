@@ -160,10 +160,11 @@ def maybe_capture_decode_graphs(model: nn.Module, config: EngineConfig,
                                 device: torch.device) -> DecodeCudaGraphs | None:
     """Capture on CUDA with the Triton backend unless enforce_eager; call after the KV caches are
     bound (the graphs bake in their addresses). A model whose forward reads per-step host values
-    (`cuda_graph_safe = False`: MLA attention) runs eagerly."""
+    (`cuda_graph_safe = False`: MLA attention) runs eagerly, as do layer groups with tables of their
+    own (kv_cache/hybrid.py: the graph's buffers hold one table)."""
     dc = config.device_config
     if device.type != "cuda" or dc.attention_backend != "triton" or dc.enforce_eager \
-            or not getattr(model, "cuda_graph_safe", True):
+            or not getattr(model, "cuda_graph_safe", True) or config.cache_config.kv_cache_groups:
         return None
     graphs = DecodeCudaGraphs(model, config.cache_config.block_size, config.scheduler_config.max_num_seqs,
                               config.model_config.max_model_len, device)

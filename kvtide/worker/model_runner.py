@@ -16,6 +16,7 @@ import torch
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.distributed import get_pp_group, get_tp_group
+from kvtide.kv_cache.hybrid import group_size
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
@@ -89,6 +90,10 @@ class ModelRunner:
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
         """Caches in the attention backend's layout."""
+        self.kv_groups = config.cache_config.kv_cache_groups
+        """Layer groups with block tables of their own (kv_cache/hybrid.py), or None."""
+        self.num_kv_groups = 1
+        """Tables interleaved in each request's block ids: len(kv_groups) once the cache is bound."""
         self._own_layout_caches: list[tuple[torch.nn.Module, torch.Tensor]] = []
         """(layer, cache) of layers with a layout of their own (MLA's latent cache)."""
         if getattr(mc.quant_config, "needs_calibration", False):
@@ -145,10 +150,11 @@ class ModelRunner:
         """One sequence as one prefill through the model into blocks 0.. of the bound KV cache:
         its hidden states (T, hidden). For load-time calibration and quality measurements, outside
         the scheduler (nothing else may be using the cache)."""
-        blocks = list(range(-(-len(token_ids) // self.block_size)))
+        blocks = list(range(-(-len(token_ids) // self.block_size) * self.num_kv_groups))
         state = CachedRequestState("prefill", list(token_ids), len(token_ids), SamplingParams(), blocks, 0,
                                    uid=next(self._uids))
-        inputs = prepare_step_inputs({"prefill": len(token_ids)}, {"prefill": state}, self.block_size, self.device)
+        inputs = prepare_step_inputs({"prefill": len(token_ids)}, {"prefill": state}, self.block_size, self.device,
+                                     num_kv_groups=self.num_kv_groups)
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -158,16 +164,23 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes over every cached layer, in the cache's format (parameters of a
-        quantized one included), so a byte budget holds as many more tokens as the format saves."""
-        return self.block_size * sum(a.kv_bytes_per_token(self.kv_tensor_dtype) if has_own_cache_layout(a)
-                                     else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
-                                     for a in self._cached_attention_layers())
+        quantized one included), so a byte budget holds as many more tokens as the format saves.
+        With layer groups a block holds one group's layers (kv_cache/hybrid.py)."""
+        per_layer = [a.kv_bytes_per_token(self.kv_tensor_dtype) if has_own_cache_layout(a)
+                     else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
+                     for a in self._cached_attention_layers()]
+        if self.kv_groups:
+            return self.block_size * group_size(self.kv_groups) * max(per_layer)
+        return self.block_size * sum(per_layer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
         finite values) and bind it to the layer."""
         layers = self._cached_attention_layers()
-        self.kv_caches = self._bind_kv_caches(layers, num_blocks)
+        if self.kv_groups:
+            self.kv_caches = self._bind_grouped_kv_caches(layers, num_blocks)
+        else:
+            self.kv_caches = self._bind_kv_caches(layers, num_blocks)
         self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
         if self.spec is not None:
             self.spec.capture_graphs(self.config)
@@ -189,6 +202,24 @@ class ModelRunner:
             else:
                 caches.append(attn.kv_cache)
         return caches
+
+    def _bind_grouped_kv_caches(self, layers: list, num_blocks: int) -> list[torch.Tensor]:
+        """Layer groups (kv_cache/hybrid.py): S slot tensors, layer j of every group bound to slot j;
+        a block id belongs to one group at a time, so the layers sharing a slot never share a block."""
+        groups = self.kv_groups
+        assert sorted(i for g in groups for i in g.layers) == list(range(len(layers))), "groups must cover the layers"
+        shapes = {layer_cache_shape(a, self.attention_backend, num_blocks, self.block_size) for a in layers}
+        assert len(shapes) == 1 and not any(has_own_cache_layout(a) for a in layers), \
+            "layer groups need one cache shape in every layer"
+        shape = shapes.pop()
+        slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device) for _ in range(group_size(groups))]
+        for g, group in enumerate(groups):
+            for j, index in enumerate(group.layers):
+                layers[index].kv_cache = slots[j]
+                layers[index].backend = self.attention_backend
+                layers[index].kv_group = g
+        self.num_kv_groups = len(groups)
+        return slots
 
     def kv_block_io(self):
         """Whole-block access to every cached layer, for a KV connector (disagg/block_io.py)."""
@@ -342,7 +373,8 @@ class ModelRunner:
             num_sched = dict(num_sched)
             for req_id, slots in so.num_draft_tokens.items():
                 num_sched[req_id] -= slots - len(drafts.get(req_id, ()))
-        return prepare_step_inputs(num_sched, self.requests, self.block_size, self.device, drafts)
+        return prepare_step_inputs(num_sched, self.requests, self.block_size, self.device, drafts,
+                                   self.num_kv_groups)
 
     def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
@@ -400,11 +432,13 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 
 def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str, CachedRequestState],
                         block_size: int, device: torch.device,
-                        drafts: dict[str, list[int]] | None = None) -> StepInputs:
+                        drafts: dict[str, list[int]] | None = None, num_kv_groups: int = 1) -> StepInputs:
     """One step's flat tensors, decodes first. The index math runs in numpy over the whole batch
     (a numpy op costs a fraction of a torch op's dispatch, and this runs every step); only the
     token ids and block ids are gathered per request. A request with `drafts` computes them after
     its last token (counted in its scheduled tokens) and gets logits at each of those positions.
+    With `num_kv_groups` > 1 the block ids interleave one table per layer group (kv_cache/hybrid.py)
+    and each group gets its metadata (AttentionMetadata.groups).
 
         lens [1, 1, 3] at starts [7, 4, 0]  ->  positions [7, 4, 0, 1, 2]
         slot_mapping = block_tables[request of token, position // block_size] * block_size
@@ -428,26 +462,35 @@ def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str
             input_ids.extend(drafts[req_id])
 
     max_blocks = max(len(state.block_ids) for state in states)
-    block_tables = np.zeros((len(order), max_blocks), dtype=np.int32)
-    for row, state in zip(block_tables, states, strict=True):
+    flat_tables = np.zeros((len(order), max_blocks), dtype=np.int32)
+    for row, state in zip(flat_tables, states, strict=True):
         row[:len(state.block_ids)] = state.block_ids
     lens_np = np.array(lens, dtype=np.int64)
     token_req = np.repeat(np.arange(len(order)), lens_np)
     # position of token t = t - (first token index of its request) + its request's start
     offsets = np.array(starts, dtype=np.int64) - np.array(query_start_loc[:-1], dtype=np.int64)
     positions = np.arange(query_start_loc[-1], dtype=np.int64) + offsets[token_req]
-    slot_mapping = block_tables[token_req, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
-
-    metadata = AttentionMetadata(
+    shared = dict(
         num_reqs=len(order), num_decodes=lens.count(1), num_actual_tokens=len(input_ids),
         query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32), device),
         seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
-        block_tables=to_device(torch.from_numpy(block_tables), device),
-        slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
         max_query_len=max(lens), max_seq_len=max(seq_lens), block_size=block_size,
-        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
-        row_uids=[state.uid for state in states], has_dropped_blocks=bool((block_tables < 0).any()))
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, row_uids=[state.uid for state in states])
+
+    def table_metadata(block_tables: np.ndarray) -> AttentionMetadata:
+        slot_mapping = block_tables[token_req, positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        return AttentionMetadata(block_tables=to_device(torch.from_numpy(block_tables), device),
+                                 slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
+                                 has_dropped_blocks=bool((block_tables < 0).any()), **shared)
+
+    if num_kv_groups == 1:
+        metadata = table_metadata(flat_tables)
+    else:  # kv_cache/hybrid.py: group g's entries are every G-th of the flat table, from g
+        groups = [table_metadata(np.ascontiguousarray(flat_tables[:, g::num_kv_groups]))
+                  for g in range(num_kv_groups)]
+        metadata = groups[0]
+        metadata.groups = groups
     logits_indices = torch.tensor([j for i in sample_rows
                                    for j in range(query_start_loc[i + 1] - 1 - num_drafts[i], query_start_loc[i + 1])],
                                   dtype=torch.int64)
