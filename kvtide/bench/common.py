@@ -30,7 +30,7 @@ BENCH_MODEL_SEED = 0
 FIRST_PROMPT_TOKEN = 3
 
 
-MOE_BENCH_SHAPES: dict[str, tuple[str, dict]] = {
+BENCH_SHAPES: dict[str, tuple[str, dict]] = {
     # ~150M parameters, ~40M active: 8 layers of 8 experts (top-2), GQA 8:2.
     "bench-mixtral": ("MixtralForCausalLM", dict(
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
@@ -46,18 +46,22 @@ MOE_BENCH_SHAPES: dict[str, tuple[str, dict]] = {
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, vocab_size=32000,
         topk_method="noaux_tc", scoring_func="sigmoid",  # what DeepSeek-V3's config.json says (vLLM reads them)
         max_position_embeddings=2048, tie_word_embeddings=False)),
+    # The ~110M bench shape as Qwen2 with layers 6-11 attending within 256 tokens (max_window_layers):
+    # full and windowed layers mixed half and half, as in Gemma-2, for the layer-group KV cache.
+    "bench-qwen2-window": ("Qwen2ForCausalLM", dict(
+        BENCH_MODEL_CONFIG, use_sliding_window=True, sliding_window=256, max_window_layers=6)),
 }
-"""Random MoE checkpoints `bench --model` knows by name, for the MoE/MLA benchmarks."""
-MOE_BENCH_VERSION = "v3"
+"""Random checkpoints of other shapes `bench --model` knows by name: MoE and MLA, mixed windows."""
+BENCH_SHAPES_VERSION = "v3"
 
 
 def bench_model_path(shape: str | None = None) -> str:
-    """The bench checkpoint's directory (or that of a MOE_BENCH_SHAPES name), built on first use
+    """The bench checkpoint's directory (or that of a BENCH_SHAPES name), built on first use
     (about 10 s and 0.5 GB)."""
     from kvtide.models.demo import make_random_checkpoint
 
-    architecture, config = ("LlamaForCausalLM", BENCH_MODEL_CONFIG) if shape is None else MOE_BENCH_SHAPES[shape]
-    name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{MOE_BENCH_VERSION}"
+    architecture, config = ("LlamaForCausalLM", BENCH_MODEL_CONFIG) if shape is None else BENCH_SHAPES[shape]
+    name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{BENCH_SHAPES_VERSION}"
     path = os.path.join(cache_root(), "bench-models", name)
     marker = os.path.join(path, "kvtide_bench_model.json")
     if os.path.exists(marker):
@@ -85,8 +89,8 @@ def _cover_vocabulary(path: str, vocab_size: int) -> None:
 
 
 def resolve_model(model: str | None) -> str:
-    """--model: None builds/uses the bench checkpoint; 'bench-mixtral' / 'bench-deepseek-v3' the MoE
-    ones; 'demo' the demo one; a GGUF file (or 'smollm2')
+    """--model: None builds/uses the bench checkpoint; a BENCH_SHAPES name ('bench-mixtral', ...)
+    that one; 'demo' the demo one; a GGUF file (or 'smollm2')
     its float32 export, so that every engine, those that read only HF checkpoints too, runs the same
     weights; else a directory."""
     from kvtide.models.builtin import builtin_model_path
@@ -94,7 +98,7 @@ def resolve_model(model: str | None) -> str:
 
     if model is None:
         return bench_model_path()
-    if model in MOE_BENCH_SHAPES:
+    if model in BENCH_SHAPES:
         return bench_model_path(model)
     path = builtin_model_path(model) or model
     if is_gguf_file(path):

@@ -4,8 +4,9 @@ For each --kv-cache-dtypes entry (default: auto, bfloat16, fp8, int8, k8v4) the 
 that cache and the same byte budget, and this reports:
 
   blocks, tokens     what the pool holds
-  seqs fit           concurrent sequences of input + output tokens the pool holds at once
-                     (blocks // ceil((input + output) / block_size)), and the ratio to the first dtype
+  seqs fit           concurrent sequences of input + output tokens the pool holds at once (blocks //
+                     the blocks one holds at most: all of them, or under windows those the window and
+                     one step of --max-num-batched-tokens span), and the ratio to the first row
   throughput         output tokens/s of --num-prompts random-token requests (input-len in,
                      output-len out, EOS ignored) submitted at once: with long contexts the pool,
                      not the step's token budget, bounds the running batch
@@ -14,6 +15,10 @@ that cache and the same byte budget, and this reports:
                      holds: the memory-bound batch), timed after their prefills finished
 
     kvtide bench kv-cache --model smollm2 --kv-cache-memory 256MiB --input-len 2048 --output-len 128
+
+With --compare-hybrid (models mixing full and windowed layers, e.g. --model bench-qwen2-window) each
+dtype runs twice: with a block table per layer group (kv_cache/hybrid.py), then with one table per
+request (--disable-hybrid-kv-cache-manager).
 
 Every figure is printed next to the machine (CPU model, ISA, threads).
 """
@@ -26,7 +31,9 @@ import sys
 import time
 
 from kvtide.bench.common import (
+    BENCH_SHAPES,
     align_rows,
+    bench_model_path,
     format_machine,
     machine_record,
     module_main,
@@ -41,7 +48,10 @@ DEFAULT_DTYPES = "auto,bfloat16,fp8,int8,k8v4"
 
 
 def add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="checkpoint directory, GGUF file, 'smollm2' or 'demo'")
+    parser.add_argument("--model", default="smollm2",
+                        help="checkpoint directory, GGUF file, 'smollm2', 'demo' or a bench shape (bench-qwen2-window)")
+    parser.add_argument("--compare-hybrid", action="store_true",
+                        help="run each dtype with layer-group block tables and with one table per request")
     parser.add_argument("--kv-cache-dtypes", default=DEFAULT_DTYPES,
                         help=f"comma-separated --kv-cache-dtype values to compare (default {DEFAULT_DTYPES})")
     parser.add_argument("--input-len", type=int, default=2048, help="prompt tokens per request")
@@ -56,8 +66,11 @@ def add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(kv_cache_memory="256MiB")
 
 
-def _seqs_fit(num_blocks: int, block_size: int, tokens: int) -> int:
-    return num_blocks // -(-tokens // block_size)
+def _seqs_fit(llm, tokens: int) -> int:
+    """Sequences of `tokens` KV tokens the pool holds at once, each at its most blocks held."""
+    core = llm.engine.core
+    manager = core.scheduler.kv_cache_manager
+    return manager.num_blocks // manager.max_blocks_held(tokens, core.config.scheduler_config.max_num_batched_tokens)
 
 
 def _throughput(llm, prompts: list[list[int]], output_len: int) -> float:
@@ -91,24 +104,31 @@ def _decode_rate(llm, prompts: list[list[int]], steps: int) -> float:
 
 
 def run_kv_cache_bench(model: str, dtypes: list[str], engine_kwargs: dict, input_len: int, output_len: int,
-                       num_prompts: int, decode_batch: int | None, decode_steps: int, seed: int = 0) -> dict:
+                       num_prompts: int, decode_batch: int | None, decode_steps: int, seed: int = 0,
+                       compare_hybrid: bool = False) -> dict:
     from kvtide import LLM
 
     rows = []
-    for dtype in dtypes:
-        llm = LLM(model=model, kv_cache_dtype=dtype, seed=seed, **engine_kwargs)
+    variants = [(d, one_table) for d in dtypes for one_table in ((False, True) if compare_hybrid else (None,))]
+    for dtype, one_table in variants:
+        kwargs = dict(engine_kwargs)
+        if one_table is not None:
+            kwargs["disable_hybrid_kv_cache_manager"] = one_table
+        llm = LLM(model=model, kv_cache_dtype=dtype, seed=seed, **kwargs)
         cache = llm.engine.core.config.cache_config
         vocab = llm.engine.core.config.model_config.hf_config.vocab_size
-        row = {"kv_cache_dtype": dtype, "num_blocks": cache.num_blocks, "tokens": cache.num_blocks * cache.block_size,
+        label = dtype if one_table is None else f"{dtype}, {'one table' if one_table else 'groups'}"
+        row = {"kv_cache_dtype": dtype, "label": label, "num_blocks": cache.num_blocks,
+               "tokens": cache.num_blocks * cache.block_size, "layer_groups": len(cache.kv_cache_groups or ()),
                "bytes_per_block": llm.engine.core.executor.kv_bytes_per_block(),
-               "seqs_fit": _seqs_fit(cache.num_blocks, cache.block_size, input_len + output_len)}
+               "seqs_fit": _seqs_fit(llm, input_len + output_len)}
         if num_prompts:
             prompts, _ = random_token_prompts(vocab, num_prompts, input_len, output_len, seed)
             row["output_tokens_per_s"] = _throughput(llm, prompts, output_len)
         if decode_steps:
             # the same batch for every dtype: by default the first one's pool, full (memory-bound)
             batch = decode_batch or (rows[0] if rows else row)["seqs_fit"]
-            batch = max(1, min(batch, _seqs_fit(cache.num_blocks, cache.block_size, input_len + decode_steps + 2)))
+            batch = max(1, min(batch, _seqs_fit(llm, input_len + decode_steps + 2)))
             prompts, _ = random_token_prompts(vocab, batch, input_len, 1, seed + 1)
             row["decode_batch"] = batch
             row["decode_tokens_per_s"] = _decode_rate(llm, prompts, decode_steps)
@@ -127,7 +147,7 @@ def format_kv_cache(result: dict) -> str:
             f"{result['output_len']} out")
     rows = [("kv dtype", "blocks", "tokens", "seqs fit", "x first", "out tok/s", "decode batch", "decode tok/s")]
     for r in result["results"]:
-        rows.append((r["kv_cache_dtype"], str(r["num_blocks"]), str(r["tokens"]), str(r["seqs_fit"]),
+        rows.append((r.get("label", r["kv_cache_dtype"]), str(r["num_blocks"]), str(r["tokens"]), str(r["seqs_fit"]),
                      f"{r['seqs_ratio']:.2f}", f"{r['output_tokens_per_s']:.1f}" if "output_tokens_per_s" in r else "-",
                      str(r.get("decode_batch", "-")),
                      f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else "-"))
@@ -146,8 +166,9 @@ def main_kv_cache(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs_from_args(args)
     seed = kwargs.pop("seed")
     kwargs["dtype"] = "float32" if kwargs.get("dtype", "auto") == "auto" else kwargs["dtype"]
-    result = run_kv_cache_bench(args.model, dtypes, kwargs, args.input_len, args.output_len, args.num_prompts,
-                                args.decode_batch, args.decode_steps, seed)
+    model = bench_model_path(args.model) if args.model in BENCH_SHAPES else args.model
+    result = run_kv_cache_bench(model, dtypes, kwargs, args.input_len, args.output_len, args.num_prompts,
+                                args.decode_batch, args.decode_steps, seed, args.compare_hybrid)
     return print_and_save(result, format_kv_cache(result), args.output_json)
 
 

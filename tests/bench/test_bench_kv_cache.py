@@ -33,6 +33,24 @@ def test_figures_per_dtype(llama_dir):
     assert "k8v4" in text and "machine:" in text
 
 
+def test_compare_hybrid_on_a_mixed_window_model(checkpoint_factory):
+    """A Qwen2 with layers 0-1 full and 2-3 windowed (24 tokens), head_dim 16, 2 KV heads: a layer's
+    token takes 2 x 2 x 16 x 4 = 256 bytes, so a one-table block (4 layers) 16 KiB and a group's (2)
+    8 KiB. A 208-token sequence holds 13 blocks in one table; with groups 13 full ones and, in
+    32-token steps, at most ceil((24 + 32 + 14) / 16) = 5 windowed ones."""
+    mixed = checkpoint_factory("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=24, max_window_layers=2,
+                               hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2)
+    engine = dict(dtype="float32", max_model_len=256, kv_cache_memory=1 << 20, max_num_batched_tokens=32)
+    result = run_kv_cache_bench(mixed, ["auto"], engine, input_len=200, output_len=8, num_prompts=2,
+                                decode_batch=None, decode_steps=0, compare_hybrid=True)
+    groups, one = result["results"]
+    assert (groups["num_blocks"], groups["layer_groups"], groups["seqs_fit"]) == ((1 << 20) // 8192, 2, 128 // 18)
+    assert (one["num_blocks"], one["layer_groups"], one["seqs_fit"]) == ((1 << 20) // 16384, 0, 64 // 13)
+    assert one["seqs_ratio"] == 4 / 7
+    assert "auto, groups" in format_kv_cache(result) and "auto, one table" in format_kv_cache(result)
+
+
 def test_unknown_dtype_fails_before_loading(monkeypatch, capsys):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
