@@ -487,8 +487,8 @@ def prepare_step_inputs(num_scheduled_tokens: dict[str, int], requests: dict[str
     if num_kv_groups == 1:
         metadata = table_metadata(flat_tables)
     else:  # kv_cache/hybrid.py: group g's entries are every G-th of the flat table, from g
-        groups = [table_metadata(np.ascontiguousarray(flat_tables[:, g::num_kv_groups]))
-                  for g in range(num_kv_groups)]
+        # copy(), not ascontiguousarray: numpy calls a (1, 1) slice contiguous and keeps its stride
+        groups = [table_metadata(flat_tables[:, g::num_kv_groups].copy()) for g in range(num_kv_groups)]
         metadata = groups[0]
         metadata.groups = groups
     logits_indices = torch.tensor([j for i in sample_rows

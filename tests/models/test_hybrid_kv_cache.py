@@ -180,6 +180,15 @@ def test_forks_quantized_caches_and_ngram_speculation_under_groups(mixed_dir):
             assert all(t == hf_greedy(mixed_dir, prompt, 120).token_ids for t in got[True]), name
 
 
+def test_a_lone_one_block_request_matches_hf(mixed_dir):
+    """One request whose prompt fits one block: each group's table is a 1 x 1 slice of the flat one
+    (the compiled kernel wants a unit stride there)."""
+    llm = make_llm(mixed_dir, max_model_len=400)
+    out = llm.generate(["Hi"], greedy(40))[0]
+    assert len(out.prompt_token_ids) < BLOCK_SIZE
+    assert_hf(mixed_dir, "hi", "Hi", out.outputs[0].token_ids, 40)
+
+
 def test_connectors_and_the_flag_keep_one_table(mixed_dir):
     for kwargs in (dict(disable_hybrid_kv_cache_manager=True), dict(kv_offload_memory="16MiB"),
                    dict(kv_drop_policy="score", kv_drop_budget=0.5, enable_prefix_caching=False)):
