@@ -53,17 +53,18 @@ _WEIGHT_MAJOR_WINS: dict[tuple[int, int, int, int], bool] = {}
 """(N, K, bucket, torch threads) -> whether (w @ x.T).T measured faster than F.linear(x, w)."""
 
 
-def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   plans: list[tuple[GemmPlan | None, GemmPlan | None]] | None = None) -> torch.Tensor:
     """hidden (T, H), w13 (E, 2I, H) = [gate; up] rows, w2 (E, H, I), topk_* (T, k) -> (T, H):
     sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x)) with e = topk_ids[t, j].
 
     topk_ids in [0, E]; E skips the assignment. One host sync (the per-expert counts). `plans`:
     per expert, the CPU GEMM kernels (layers/cpu_gemm.py) chosen for its w13 and w2 at load, with
-    their packed copies; None (or a None plan): expert_linear."""
+    their packed copies; None (or a None plan): expert_linear. Quantized experts
+    (quantized_experts.py) come as sequences of E QuantizedWeights with their kernel as every plan."""
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_i, _ = w13.shape
+    num_experts = len(w13)
+    two_i = w13.shape[1] if isinstance(w13, torch.Tensor) else w13[0].out_features
     intermediate = two_i // 2
     out = torch.zeros_like(hidden_states)
     if num_tokens == 0:

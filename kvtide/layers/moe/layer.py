@@ -33,7 +33,9 @@ from kvtide.layers.linear import default_weight_loader
 from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
 from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
 from kvtide.layers.moe.placement import ExpertPlacement
+from kvtide.layers.moe.quantized_experts import ExpertQuantizer, QuantizedExperts, quantized_expert_linear
 from kvtide.layers.moe.routing import select_experts
+from kvtide.layers.quantization.base import drop_parameters
 
 EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
 """The shard names each stacked parameter takes (vLLM's names: w1 = gate, w3 = up, w2 = down)."""
@@ -129,9 +131,12 @@ class FusedMoE(nn.Module):
         self.register_buffer("dropped_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.count_load = True
         self.use_triton = False
-        self._gemm_views: list[ExpertGemmView] | None = None
         """Run the experts through triton_moe.py's grouped GEMM (CUDA only); set by whoever enables
         the Triton ops."""
+        self._gemm_views: list[ExpertGemmView] | None = None
+        self.w13_quantized: QuantizedExperts | None = None
+        self.w2_quantized: QuantizedExperts | None = None
+        """The experts' weights after quantize_experts (then the float parameters are gone)."""
 
     # ---- weights ----------------------------------------------------------------------------------
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -175,6 +180,14 @@ class FusedMoE(nn.Module):
             target = target[self.intermediate_size:]
         target.copy_(_materialize(loaded))
 
+    def quantize_experts(self, quantize: ExpertQuantizer) -> None:
+        """Quantize every local expert's w13 and w2 (on-the-fly --quantization; quantized_experts.py)
+        and drop the float parameters."""
+        self.w13_quantized = QuantizedExperts(self.w13_weight.data, quantize)
+        self.w2_quantized = QuantizedExperts(self.w2_weight.data, quantize)
+        drop_parameters(self, "w13_weight", "w2_weight")
+        self._gemm_views = None
+
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """(T, H), (T, E) -> (T, H): route, dispatch, local experts, combine."""
@@ -204,6 +217,10 @@ class FusedMoE(nn.Module):
     def run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted sum per token; ids are local slots (E_local: skipped)."""
+        if self.w13_quantized is not None and self.w2_quantized is not None:
+            plans = [(quantized_expert_linear, quantized_expert_linear)] * self.local_num_experts
+            return fused_experts(hidden_states, self.w13_quantized.experts, self.w2_quantized.experts,
+                                 topk_weights, topk_ids, plans)
         if self.use_triton and hidden_states.is_cuda:
             from kvtide.layers.moe.triton_moe import triton_fused_experts
 
@@ -217,7 +234,10 @@ class FusedMoE(nn.Module):
 
     def gemm_views(self) -> list[ExpertGemmView]:
         """Each local expert's w13 and w2 as the 2-D `weight` of a linear-like view, for CPU weight
-        prepacking (layers/cpu_gemm.py sets each view's `gemm_plan`); [w13[0], w2[0], w13[1], ...]."""
+        prepacking (layers/cpu_gemm.py sets each view's `gemm_plan`); [w13[0], w2[0], w13[1], ...].
+        Empty once quantized: those run the quantized kernels."""
+        if self.w13_quantized is not None:
+            return []
         if self._gemm_views is None:
             self._gemm_views = [ExpertGemmView(w[e]) for e in range(self.local_num_experts)
                                 for w in (self.w13_weight.data, self.w2_weight.data)]

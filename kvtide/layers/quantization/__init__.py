@@ -151,6 +151,12 @@ def finish_quantization(model: nn.Module) -> int:
         tied = getattr(module, "tied_to", None)
         if tied is not None and tied.quant_method is not None:
             install(module, tied.quantized)
+    config = getattr(model, "quant_config", None)
+    quantize_expert = config.expert_quantizer() if config is not None else None
+    for module in model.modules():
+        if quantize_expert is not None and hasattr(module, "quantize_experts"):  # a MoE layer's experts
+            module.quantize_experts(quantize_expert)
+            done += 1
     return done
 
 

@@ -61,6 +61,11 @@ class QuantizationConfig:
     def check_model(self, hf_config) -> None:
         """Raise ValueError for a model this scheme cannot quantize (before anything is loaded)."""
 
+    def expert_quantizer(self):
+        """How a MoE layer's float experts are quantized after loading (one expert's (N, K) weight ->
+        its QuantizedWeight), or None: they stay float (checkpoint formats, w8a8)."""
+        return None
+
     def skip_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Asked by load_weights about a checkpoint tensor that has no parameter: True skips it
         (a format's harmless extras), False leaves it an error; may raise a clearer ValueError."""

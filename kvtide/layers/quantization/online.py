@@ -8,7 +8,8 @@ copy freed:
   fp8   float8_e4m3fn with one scale per output channel (max|w| / 448); weight-only on CPU, FP8
         activations through torch._scaled_mm on CUDA devices that have FP8 matmul (sm_89+)
 A tied embedding shares the LM head's quantized table (looked up row by row); an untied one stays
-float (a lookup reads one row per token, not the table).
+float (a lookup reads one row per token, not the table). A MoE layer's experts are quantized the same
+way, each expert's w13 and w2 on its own (layers/moe/quantized_experts.py); routers stay float.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def quantizes(prefix: str, layer: nn.Module) -> bool:
 class Int8Config(QuantizationConfig):
     name = "int8"
 
+    def expert_quantizer(self):
+        return quantize_int8
+
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         return OnlineWeightOnlyMethod(quantize_int8) if quantizes(prefix, layer) else None
 
@@ -61,9 +65,12 @@ class Int4Config(QuantizationConfig):
 
     def check_model(self, hf_config) -> None:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        for what, size in (("hidden_size", hf_config.hidden_size),
-                           ("intermediate_size", getattr(hf_config, "intermediate_size", hf_config.hidden_size)),
-                           ("num_attention_heads * head_dim", hf_config.num_attention_heads * head_dim)):
+        widths = [("hidden_size", hf_config.hidden_size),
+                  ("intermediate_size", getattr(hf_config, "intermediate_size", hf_config.hidden_size)),
+                  ("num_attention_heads * head_dim", hf_config.num_attention_heads * head_dim)]
+        if getattr(hf_config, "moe_intermediate_size", None):  # Qwen-MoE, DeepSeek experts (quantized too)
+            widths.append(("moe_intermediate_size", hf_config.moe_intermediate_size))
+        for what, size in widths:
             if size % self.group_size:
                 raise ValueError(f"int4 group size {self.group_size} does not divide the model's {what} "
                                  f"({size}); pick --quantization-group-size from "
@@ -73,12 +80,20 @@ class Int4Config(QuantizationConfig):
         group = self.group_size
         return OnlineWeightOnlyMethod(lambda w: quantize_int4(w, group)) if quantizes(prefix, layer) else None
 
+    def expert_quantizer(self):
+        group = self.group_size
+        return lambda w: quantize_int4(w, group)
+
     def describe(self) -> str:
         return f"int4 g{self.group_size}"
 
 
 class Fp8Config(QuantizationConfig):
     name = "fp8"
+
+    def expert_quantizer(self):
+        """Weight-only fp8 codes for the experts (FP8 activations are for the dense linears on CUDA)."""
+        return quantize_fp8
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         if not quantizes(prefix, layer):

@@ -1,0 +1,126 @@
+"""On-the-fly weight quantization of MoE models (`--quantization int8/int4/fp8`): every expert's w13
+and w2 are quantized with the scheme of the dense linears (layers/moe/quantized_experts.py), the
+float experts are dropped, and the engine runs them through the weight-only kernels.
+
+The oracle is the float engine of the same checkpoint with every weight the quantized engine
+quantized (attention, LM head, shared experts, each routed expert) overwritten by its dequantized
+value: the two must give the same greedy tokens and logprobs within 1e-4 (only summation order
+differs), in a batch of prompts whose prefills send more than DECODE_MAX_ROWS rows to some experts
+(dequantize + GEMM) and whose decodes send a few (the quantized-bytes kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import LONG_PROMPT
+
+from kvtide import LLM, SamplingParams
+from kvtide.layers.moe.layer import FusedMoE
+from kvtide.layers.quantization import weight_bytes
+from kvtide.layers.quantization import weight_only as weight_only_module
+from kvtide.layers.quantization.qweight import dequantize, quantize_fp8, quantize_int4, quantize_int8
+
+CASES = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)),
+    # A dense layer between sparse ones, and a shared expert (dense linears) with its sigmoid gate.
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                              intermediate_size=256,
+                                              shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                              mlp_only_layers=[1])),
+}
+SCHEMES = {  # name: (LLM kwargs, the quantizer of one expert's weight)
+    "int8": (dict(quantization="int8"), quantize_int8),
+    "int4-g32": (dict(quantization="int4", quantization_group_size=32), lambda w: quantize_int4(w, 32)),
+    "fp8": (dict(quantization="fp8"), quantize_fp8),
+}
+PROMPTS = ["Hello", LONG_PROMPT[:150], "def add(a, b):\n    return a + b", "quantum lattice ember harbor violet"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+DECODE_MAX_ROWS = 32
+"""The CPU kernel/GEMM switch for this module: the 150-token prefill sends ~75 rows to an expert
+(dequantize + GEMM), the 4-row decode steps 1-4 (the quantized-bytes kernel)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _both_cpu_paths():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_only_module, "DECODE_MAX_ROWS", DECODE_MAX_ROWS)
+        yield
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    # cpu_weight_prepack off: the float oracle's weights are overwritten in place after loading.
+    return LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
+               enable_prefix_caching=False, cpu_weight_prepack="off", **kwargs)
+
+
+def model_of(llm: LLM):
+    return llm.engine.core.executor.runner.model
+
+
+def moe_layers(model) -> dict[str, FusedMoE]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(checkpoint_factory):
+    return lambda case: checkpoint_factory(CASES[case][0], **CASES[case][1])
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_experts_are_quantized_and_equal_the_float_model_of_their_values(moe_dir, case, scheme):
+    kwargs, quantize = SCHEMES[scheme]
+    float_llm, quant_llm = make_llm(moe_dir(case)), make_llm(moe_dir(case), **kwargs)
+    float_model, quant_model = model_of(float_llm), model_of(quant_llm)
+    float_moes, quant_moes = moe_layers(float_model), moe_layers(quant_model)
+    assert float_moes and float_moes.keys() == quant_moes.keys()
+    for name, moe in quant_moes.items():
+        assert "w13_weight" not in moe._parameters and "w2_weight" not in moe._parameters, name
+        assert moe.gemm_views() == []
+        float_moe = float_moes[name]
+        for e in range(moe.num_experts):
+            for stacked, quantized in ((float_moe.w13_weight, moe.w13_quantized), (float_moe.w2_weight,
+                                                                                 moe.w2_quantized)):
+                assert torch.equal(dequantize(quantized.experts[e]), dequantize(quantize(stacked.data[e]))), name
+                stacked.data[e] = dequantize(quantized.experts[e])  # the oracle's weights from here on
+    # Every other quantized layer of the quantized model, into the float one (a tied table once).
+    float_modules = dict(float_model.named_modules())
+    quantized_names = [n for n, m in quant_model.named_modules() if getattr(m, "quantized", None) is not None]
+    assert any(n.endswith("qkv_proj") for n in quantized_names) and "lm_head" in quantized_names
+    if case == "qwen2-moe":
+        assert any("shared_expert" in n for n in quantized_names)
+    for name in quantized_names:
+        float_modules[name].weight.data.copy_(dequantize(dict(quant_model.named_modules())[name].quantized))
+    got = quant_llm.generate(PROMPTS, GREEDY)
+    expected = float_llm.generate(PROMPTS, GREEDY)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        a, b = g.outputs[0], e.outputs[0]
+        assert a.token_ids == b.token_ids, f"{case} {scheme} prompt {i}"
+        diff = max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True))
+        assert diff < 1e-4, f"{case} {scheme} prompt {i}: logprobs differ by {diff:.2e}"
+
+
+def test_quantized_experts_take_their_quantized_size(moe_dir):
+    """Mixtral's 4 experts per layer hold 2I x H + H x I = 3 x 96 x 128 codes each; int8 keeps one
+    byte per code and a float32 scale per output row (2I + H rows), against 4 bytes per weight."""
+    float_llm, int8_llm = make_llm(moe_dir("mixtral")), make_llm(moe_dir("mixtral"), quantization="int8")
+    experts, hidden, inter = 4, 128, 96
+    expected = experts * (3 * inter * hidden + 4 * (2 * inter + hidden))
+    for moe in moe_layers(model_of(int8_llm)).values():
+        held = sum(b.nbytes for q in (moe.w13_quantized, moe.w2_quantized) for b in q.buffers())
+        assert held == expected
+    num_layers = len(moe_layers(model_of(int8_llm)))
+    saved = weight_bytes(model_of(float_llm)) - weight_bytes(model_of(int8_llm))
+    # The experts alone save 4 bytes per weight less what int8 keeps; the other linears save more.
+    assert saved > num_layers * (experts * 3 * inter * hidden * 4 - expected)
+    assert int8_llm.engine.core.executor.runner.weight_bytes == weight_bytes(model_of(int8_llm))
+
+
+def test_int4_groups_must_divide_the_experts_width(checkpoint_factory):
+    model_dir = checkpoint_factory("Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=48, intermediate_size=256,
+                                   shared_expert_intermediate_size=96)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        make_llm(model_dir, quantization="int4", quantization_group_size=32)
