@@ -51,6 +51,12 @@ MOE_CASES = {
                                                                 "original_max_position_embeddings": 128,
                                                                 "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
+MOE_LOGPROB_TOL = 2e-4
+"""The MoE models' logprobs against HF (1e-4 for dense ones). The top-k routing weights scale each
+expert's output and the experts' sum adds their GEMMs' summation-order noise: on a Zen 4 EPYC the
+tiny Mixtral's chosen-token logprob reached 1.0025e-4 from HF's (step 14 of 24) with the GEMM kernels
+that machine's load-time measurement picks; its prompt logprobs 1.72e-4 with them and 6.5e-5 with
+--cpu-weight-prepack off (F.linear, as HF). Tokens stay equal."""
 ENGINE_CASES = ["mixtral", "deepseek-v3"]
 """The engine paths on one GQA MoE model and one MLA model."""
 
@@ -89,8 +95,9 @@ def test_moe_architecture_matches_hf(moe_dir, case):
         outputs = llm.generate(prompts, GREEDY_LOGPROBS)
         assert_greedy_matches_hf(model_dir, prompts, outputs)
         for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-            assert_logprobs_match_hf(hf_greedy(model_dir, prompt, MAX_TOKENS), out, f"{case} prompt {i}")
-            assert_prompt_logprobs_match_hf(model_dir, out, f"{case} prompt {i}")
+            assert_logprobs_match_hf(hf_greedy(model_dir, prompt, MAX_TOKENS), out, f"{case} prompt {i}",
+                                     MOE_LOGPROB_TOL)
+            assert_prompt_logprobs_match_hf(model_dir, out, f"{case} prompt {i}", MOE_LOGPROB_TOL)
 
 
 def test_correction_bias_changes_the_routing(moe_dir):
