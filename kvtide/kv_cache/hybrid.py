@@ -95,7 +95,12 @@ class HybridKVCacheManager:
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:
+        """Group 0 counts the lookups (once per request, as one table would)."""
         return self.managers[0].prefix_stats
+
+    @prefix_stats.setter
+    def prefix_stats(self, stats: PrefixCacheStats) -> None:
+        self.managers[0].prefix_stats = stats
 
     def usage(self) -> float:
         return self.pool.usage()

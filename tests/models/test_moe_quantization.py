@@ -28,6 +28,13 @@ CASES = {
                                               intermediate_size=256,
                                               shared_expert_intermediate_size=96, norm_topk_prob=False,
                                               mlp_only_layers=[1])),
+    # MLA (kv_b_proj stays float: its weight is absorbed), a dense first layer, shared and routed
+    # experts with sigmoid + correction-bias routing.
+    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+        q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        intermediate_size=256)),
 }
 SCHEMES = {  # name: (LLM kwargs, the quantizer of one expert's weight)
     "int8": (dict(quantization="int8"), quantize_int8),
@@ -87,8 +94,14 @@ def test_experts_are_quantized_and_equal_the_float_model_of_their_values(moe_dir
     # Every other quantized layer of the quantized model, into the float one (a tied table once).
     float_modules = dict(float_model.named_modules())
     quantized_names = [n for n, m in quant_model.named_modules() if getattr(m, "quantized", None) is not None]
-    assert any(n.endswith("qkv_proj") for n in quantized_names) and "lm_head" in quantized_names
-    if case == "qwen2-moe":
+    assert any(n.endswith("o_proj") for n in quantized_names) and "lm_head" in quantized_names
+    if case == "deepseek-v3":  # MLA's query and latent projections quantized; kv_b_proj kept float
+        assert any(n.endswith("q_a_proj") for n in quantized_names)
+        assert any(n.endswith("kv_a_proj_with_mqa") for n in quantized_names)
+        assert not any(n.endswith("kv_b_proj") for n in quantized_names)
+    else:
+        assert any(n.endswith("qkv_proj") for n in quantized_names)
+    if case != "mixtral":
         assert any("shared_expert" in n for n in quantized_names)
     for name in quantized_names:
         float_modules[name].weight.data.copy_(dequantize(dict(quant_model.named_modules())[name].quantized))

@@ -33,9 +33,10 @@ from kvtide.layers.linear import default_weight_loader
 from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
 from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
 from kvtide.layers.moe.placement import ExpertPlacement
-from kvtide.layers.moe.quantized_experts import ExpertQuantizer, QuantizedExperts, quantized_expert_linear
+from kvtide.layers.moe.quantized_experts import ExpertQuantizer, QuantizedExperts
 from kvtide.layers.moe.routing import select_experts
 from kvtide.layers.quantization.base import drop_parameters
+from kvtide.layers.quantization.weight_only import quantized_linear
 
 EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
 """The shard names each stacked parameter takes (vLLM's names: w1 = gate, w3 = up, w2 = down)."""
@@ -218,7 +219,7 @@ class FusedMoE(nn.Module):
                     topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted sum per token; ids are local slots (E_local: skipped)."""
         if self.w13_quantized is not None and self.w2_quantized is not None:
-            plans = [(quantized_expert_linear, quantized_expert_linear)] * self.local_num_experts
+            plans = [(quantized_linear, quantized_linear)] * self.local_num_experts
             return fused_experts(hidden_states, self.w13_quantized.experts, self.w2_quantized.experts,
                                  topk_weights, topk_ids, plans)
         if self.use_triton and hidden_states.is_cuda:

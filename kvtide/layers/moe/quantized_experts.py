@@ -10,9 +10,9 @@ modules and drops the floats:
     w2_weight  (E, H, I)  float  ->  w2_quantized:  qcodes (E, H, I or I/2),  ...
 
 The per-expert QuantizedWeights are views of the stacked buffers (the buffers carry the names
-`weight_bytes` counts). fused_experts runs them in place of the float weights, expert by expert, as
-`quantized_linear(x, experts[e])`: the quantized-bytes kernel for an expert's few decode rows,
-dequantize + GEMM for a long prefill's.
+`weight_bytes` counts). fused_experts runs them in place of the float weights, expert by expert, with
+weight_only.quantized_linear as every expert's GEMM plan: the quantized-bytes kernel for an expert's
+few decode rows, dequantize + GEMM for a long prefill's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kvtide.layers.quantization.qweight import QuantizedWeight
-from kvtide.layers.quantization.weight_only import quantized_linear
 
 ExpertQuantizer = Callable[[torch.Tensor], QuantizedWeight]
 """One expert's (N, K) float weight -> its QuantizedWeight (online.py's quantizers)."""
@@ -52,8 +51,3 @@ class QuantizedExperts(nn.Module):
         first = self.experts[0]
         return f"experts={len(self)}, kind={first.kind}, shape=({first.out_features}, {first.in_features}), " \
                f"group_size={first.group_size}"
-
-
-def quantized_expert_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """fused_experts' per-expert product for a quantized expert (a GEMM plan's signature)."""
-    return quantized_linear(x, qw, bias)
