@@ -86,18 +86,65 @@ def _check_devices(device: str, world: int, threads: int | None) -> None:
 def _check_features(args, hf_config, arch: str, tp: int, pp: int, quant_config, speculative,
                     is_moe, uses_mla) -> None:
     """What multi-rank replicas do not combine with yet: refused by name rather than run wrongly."""
-    if quant_config is not None:
-        raise ValueError(f"--quantization ({quant_config.name}) does not combine with tensor or pipeline "
-                         f"parallelism yet; run the quantized model with world size 1")
+    if quant_config is not None:  # each rank loads or quantizes its shard; the scheme says what it cannot split
+        quant_config.check_parallel(hf_config, tp, pp)
     if speculative is not None:
-        raise ValueError("speculative decoding does not combine with tensor or pipeline parallelism yet")
-    if uses_mla(hf_config):
-        raise ValueError(f"{arch}'s latent (MLA) attention does not run tensor or pipeline parallel yet")
-    if is_moe(hf_config) and tp > 1 and not args.enable_expert_parallel:
-        raise ValueError(f"{arch} is a mixture-of-experts model: with tensor_parallel_size > 1 pass "
-                         f"--enable-expert-parallel (experts are split whole between the ranks)")
+        _check_speculative(speculative, tp, pp)
+    if is_moe(hf_config) and tp > 1:
+        _check_tensor_parallel_experts(args, hf_config, arch, tp, quant_config)
     if is_moe(hf_config) and pp > 2:
         logger.warning(
             "expert-load statistics of a pipeline of %d stages cover the first and last stages' layers only", pp)
     if args.kv_drop_policy is not None:
         raise ValueError("--kv-drop-policy does not combine with tensor or pipeline parallelism yet")
+
+
+def _check_speculative(speculative, tp: int, pp: int) -> None:
+    """Speculative decoding on several ranks (spec_decode/parallel.py): n-gram drafts under tensor
+    and pipeline parallelism; a draft model (sharded over the TP group) and layer skip under tensor
+    parallelism; Medusa heads (replicated blocks, vocabulary-parallel LM heads over the target's
+    full hidden states) under tensor parallelism. The rest is refused by name, with the reason."""
+    method = speculative.method
+    if pp > 1 and method != "ngram":
+        raise ValueError(
+            f"speculative method {method!r} does not combine with pipeline parallelism "
+            f"(pipeline_parallel_size={pp}): the first stage needs the drafts as inputs, but "
+            + ("the target's early-exit layers and its LM head sit on different stages"
+               if method == "layer_skip" else
+               "a draft model would have to be split into the same stages" if method == "draft_model" else
+               "the head reads the target's last hidden states, which only the last stage holds")
+            + "; use method 'ngram', or tensor parallelism")
+    if tp > 1 and method in ("eagle", "eagle3"):
+        raise ValueError(f"speculative method {method!r} does not combine with tensor parallelism yet "
+                         f"(tensor_parallel_size={tp}): the EAGLE head's checkpoint is checked and loaded "
+                         f"at whole-tensor shapes, not as a rank's shard of its attention and MLP; use "
+                         f"'ngram', 'draft_model', 'layer_skip' or 'medusa'")
+    draft = speculative.draft_hf_config
+    if tp > 1 and method == "draft_model" and draft is not None:  # sharded over the target's TP group
+        heads = draft.num_attention_heads
+        kv_heads = getattr(draft, "num_key_value_heads", None) or heads
+        if heads % tp or (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the draft model's attention heads "
+                             f"({heads}) and its KV heads ({kv_heads}) or be a multiple of them: the draft "
+                             f"is sharded over the same tensor-parallel ranks as the target")
+
+
+def _check_tensor_parallel_experts(args, hf_config, arch: str, tp: int, quant_config) -> None:
+    """A MoE model under tp > 1: without --enable-expert-parallel every expert's intermediate
+    dimension is split over the ranks (layers/moe/layer.py), so it must divide; the shared experts
+    are split like a dense MLP either way."""
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)  # Qwen2-MoE
+    if shared and shared % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {arch}'s shared expert intermediate size "
+                         f"({shared})")
+    if args.enable_expert_parallel:
+        return
+    intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    if intermediate % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {arch}'s expert intermediate size "
+                         f"({intermediate}): each rank holds 1/tp of every expert; or pass "
+                         f"--enable-expert-parallel to split the experts whole between the ranks")
+    if quant_config is not None:
+        raise ValueError(f"--quantization ({quant_config.name}) of experts split over tensor-parallel ranks "
+                         f"is not supported; pass --enable-expert-parallel (experts split whole) or run "
+                         f"with world size 1")

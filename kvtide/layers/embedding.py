@@ -44,13 +44,17 @@ class VocabEmbedding(nn.Module):
         param.data[self.rows_here:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quant_method.embed(self, input_ids)
         if self.tp.world_size == 1:
+            if self.quantized is not None:
+                return self.quant_method.embed(self, input_ids)
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_here)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        if self.quantized is not None:  # the rank's rows of the table, quantized
+            rows = self.quant_method.embed(self, local)
+        else:
+            rows = F.embedding(local, self.weight)
         return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
 
 
@@ -62,9 +66,10 @@ class LMHead(VocabEmbedding):
         self.tied_to: VocabEmbedding | None = None
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quant_method.apply(self, hidden_states, None)
-        logits = linear(hidden_states, self.weight, None, self.gemm_plan)
+        if self.quantized is not None:  # (N, rows of this rank) like the float path
+            logits = self.quant_method.apply(self, hidden_states, None)
+        else:
+            logits = linear(hidden_states, self.weight, None, self.gemm_plan)
         if self.tp.world_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]

@@ -102,7 +102,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(x)
-        out = linear(x, self.weight, None, self.gemm_plan)
+        if self.quantized is not None:  # the rank's in/tp columns, quantized (bias once, after the sum)
+            out = self.quant_method.apply(self, x, None)
+        else:
+            out = linear(x, self.weight, None, self.gemm_plan)
         self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

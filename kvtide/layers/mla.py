@@ -23,6 +23,10 @@ then its v_head value rows) maps a latent to the head's k_nope and value. Two eq
 W_UK (H, qk_nope, L) and W_UV (H, v_head, L) are views of kv_b_proj.weight, read at each forward
 (after loading; never copied). The model computes q_nope, the rotated q_pe, the normed latent and
 the rotated k_pe, calls MLAAttention, then o_proj.
+
+Under tensor parallelism H is this rank's heads (num_heads / tp, kv_b_proj column-parallel by
+heads, so its local rows are those heads' and W_UK / W_UV view them), while the cache is the whole
+latent on every rank: it is shared by all heads, so it is not divided (vLLM keeps it whole too).
 """
 
 from __future__ import annotations
@@ -74,7 +78,13 @@ class MLAAttention(nn.Module):
                  kv_lora_rank: int, scale: float, kv_b_proj: nn.Module,
                  absorb_max_query_len: int | None = None) -> None:
         super().__init__()
+        rows = getattr(kv_b_proj, "output_size", getattr(kv_b_proj, "out_features", None))
+        if rows is not None and rows != num_heads * (qk_nope_head_dim + v_head_dim):
+            raise ValueError(f"kv_b_proj has {rows} output rows here; {num_heads} heads of qk_nope "
+                             f"{qk_nope_head_dim} + v_head {v_head_dim} need {num_heads * (qk_nope_head_dim + v_head_dim)} "
+                             f"(under tensor parallelism, pass this rank's heads)")
         self.num_heads = num_heads
+        """This rank's heads (num_attention_heads / tp)."""
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
@@ -82,7 +92,8 @@ class MLAAttention(nn.Module):
         self.scale = scale
         self.num_kv_heads = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
-        """Values per cached token (the latent vector), what the runner's accounting reads."""
+        """Values per cached token (the latent vector), what the runner's accounting reads: the
+        same on every tensor-parallel rank."""
         self.sliding_window = None
         self.sink_tokens = 0
         self.kv_cache: torch.Tensor | None = None

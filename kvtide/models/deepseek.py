@@ -16,6 +16,14 @@ Rotary embeddings rotate interleaved pairs (x0, x1), (x2, x3), ... (V2 always; V
 `rope_interleave` is false): the pairs are de-interleaved into halves first, which permutes q and
 k's rope dims alike and leaves every q.k product as the checkpoint computes it.
 
+Tensor parallel (vLLM's layout): the heads split over the TP ranks (q_b_proj / q_proj and kv_b_proj
+column-parallel by heads, o_proj row-parallel: one all-reduce per attention), q_a_proj and
+kv_a_proj_with_mqa replicated, so every rank writes and holds the whole latent cache (one "head"
+not divided by tp) and attends its own heads over it; W_UK / W_UV are views of its kv_b_proj rows.
+The routed experts are split by expert (--enable-expert-parallel) or by their intermediate
+dimension (layers/moe/layer.py), the shared experts like the dense MLP. Pipeline stages split the
+decoder layers (dense and sparse alike, by index).
+
 The multi-token-prediction layers DeepSeek-V3 checkpoints carry after the last decoder layer
 (`layers.{num_hidden_layers}...`: enorm, hnorm, eh_proj, a decoder layer, shared_head) are
 recognised and left unloaded; they are counted in `mtp_tensors_skipped`, for a speculative
@@ -30,13 +38,14 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
-from kvtide.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from kvtide.distributed import get_tp_group
+from kvtide.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from kvtide.layers.mla import MLAAttention, mla_softmax_scale
 from kvtide.layers.moe import FusedMoE
 from kvtide.layers.norm import RMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
-from kvtide.models.llama import LlamaForCausalLM, LlamaMLP
-from kvtide.models.sparse_moe import SparseMoeBlock, expert_shard, required_expert_shards
+from kvtide.models.llama import LlamaForCausalLM
+from kvtide.models.sparse_moe import SharedExpertMLP, SparseMoeBlock, expert_shard, required_expert_shards
 
 DEEPSEEK_EXPERT_PROJS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 LATENT_NORM_EPS = 1e-6
@@ -53,7 +62,8 @@ class DeepseekMLAAttention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, interleaved_rope: bool) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
-        self.num_heads = heads
+        self.num_heads = divide(heads, get_tp_group().world_size, "the attention heads")
+        """This rank's heads (all of them at world size 1)."""
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -73,7 +83,7 @@ class DeepseekMLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, bias=bias)
         self.rotary_emb = rotary
         self.interleaved_rope = interleaved_rope
-        self.attn = MLAAttention(heads, self.qk_nope_head_dim, self.qk_rope_head_dim, config.v_head_dim,
+        self.attn = MLAAttention(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, config.v_head_dim,
                                  self.kv_lora_rank, mla_softmax_scale(config), self.kv_b_proj)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
@@ -122,7 +132,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             return None
         shared = None
         if config.n_shared_experts:
-            shared = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            shared = SharedExpertMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
         return SparseMoeBlock(self.build_experts(config), config.hidden_size, router_fp32=True, shared_expert=shared)
 
     def build_experts(self, config) -> FusedMoE:

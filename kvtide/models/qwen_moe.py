@@ -11,10 +11,9 @@ from __future__ import annotations
 from torch import nn
 
 from kvtide.layers.moe import FusedMoE
-from kvtide.models.llama import LlamaMLP
 from kvtide.models.qwen2 import Qwen2ForCausalLM
 from kvtide.models.qwen3 import Qwen3ForCausalLM
-from kvtide.models.sparse_moe import SparseMoeBlock, expert_shard, required_expert_shards
+from kvtide.models.sparse_moe import SharedExpertMLP, SparseMoeBlock, expert_shard, required_expert_shards
 
 QWEN_EXPERT_PROJS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -37,7 +36,7 @@ class _QwenMoeMixin:
             self.cuda_graph_safe = False  # expert parallelism's dispatch reads its row counts on the host
         shared = None
         if self.shared_expert and config.shared_expert_intermediate_size:
-            shared = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            shared = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size)
         return SparseMoeBlock(experts, config.hidden_size, shared_expert=shared, shared_expert_gate=shared is not None)
 
     def expert_shard(self, name: str) -> tuple[str, object] | None:

@@ -5,6 +5,12 @@
 Mixtral has no shared expert; Qwen2-MoE has one, scaled by sigmoid(shared_expert_gate(x));
 DeepSeek-V2/V3 add theirs unscaled. How each checkpoint's tensors land on these modules is the
 model's `expert_shard` / `checkpoint_name` (models/mixtral.py, qwen_moe.py, deepseek.py).
+
+Tensor parallel (tp > 1): the router and the shared expert gate are replicated; the shared experts
+are a tensor-parallel gated MLP. With tensor-parallel routed experts (no expert parallelism) both
+the routed output and the shared experts' down projection are partial sums: they are added first
+and all-reduced once per block, as the dense MLP's down_proj does. Under expert parallelism the
+routed output comes back whole from the all-to-alls and the shared experts reduce their own.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtide.layers.linear import ReplicatedLinear
+from kvtide.distributed import get_tp_group
+from kvtide.layers.linear import LinearBase, ReplicatedLinear
 from kvtide.layers.moe import FusedMoE
+from kvtide.models.llama import LlamaMLP
 
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 """`layers.3.mlp.experts.7.gate_proj.weight`: one expert's projection in a Hugging Face checkpoint."""
@@ -65,20 +73,34 @@ class RouterLinear(ReplicatedLinear):
         return super().forward(x)
 
 
+class SharedExpertMLP(LlamaMLP):
+    """The shared experts: the gated MLP (tensor parallel like the dense one), which can also
+    return its rank's partial product unreduced, for the block to all-reduce with the routed one."""
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial down projection (no all-reduce; no bias: shared experts have none)."""
+        assert self.down_proj.bias is None, "a partial product with a bias would add it tp times"
+        return LinearBase.forward(self.down_proj, self.act_fn(self.gate_up_proj(x)))
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, experts: FusedMoE, hidden_size: int, router_fp32: bool = False,
-                 shared_expert: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
+                 shared_expert: SharedExpertMLP | None = None, shared_expert_gate: bool = False) -> None:
         super().__init__()
         self.gate = RouterLinear(hidden_size, experts.num_experts, fp32=router_fp32)
         self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = RouterLinear(hidden_size, 1) if shared_expert_gate else None
+        self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x))  # a partial sum under tensor-parallel experts
+        partial = self.experts.partial_output
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
+            shared = self.shared_expert.partial(x) if partial else self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # a per-token scale: applies to partial sums alike
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
+        if partial:
+            self.tp.all_reduce(out)  # routed and shared experts' partial sums: one all-reduce
         return out

@@ -32,6 +32,7 @@ from kvtide.sampling.sampler import Sampler
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.spec_decode.draft_proposer import ChainProposer
 from kvtide.spec_decode.ngram import NgramProposer
+from kvtide.spec_decode.parallel import broadcast_drafts, broadcast_emitted
 from kvtide.spec_decode.rejection_sampler import accept_matching, rejection_sample
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
 from kvtide.worker.model_runner import CachedRequestState, StepInputs
@@ -122,6 +123,11 @@ class SpecDecodeWorker:
             drafts = self._propose_medusa(rows)
         return {req_id: d for req_id, d in drafts.items() if d}
 
+    def agree(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """After the grammar's cut: TP rank 0's drafts on every rank of the TP group (the grammar
+        lives beside rank 0 only; spec_decode/parallel.py). A no-op with one rank per stage."""
+        return broadcast_drafts(so.num_draft_tokens, drafts, self.device)
+
     def _propose_medusa(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
         ready = [(state, k) for state, k in rows
                  if self._last_hidden.get(state.request_id, (-1, None))[0] == state.uid]
@@ -154,22 +160,34 @@ class SpecDecodeWorker:
         sampled = sampler(logits, md)
         bad = set(sampled.bad_rows)
         emitted_all: dict[str, list[int]] = {}
+        logprobs_all: dict[str, list] = {}
         for state, (first, n) in zip(states, spans, strict=True):
             req_id = state.request_id
             if any(first + j in bad for j in range(n)):
-                output.failed[req_id] = "model produced non-finite logits"
                 emitted_all[req_id] = []
                 continue
             d = drafts.get(req_id, [])
             q = self.chain.draft_probs.get(req_id) if self.chain is not None and d else None
             if q is None:
                 emitted = accept_matching([sampled.token_ids[first:first + n]], [d])[0]
-                logprobs = sampled.logprobs[first:first + len(emitted)]
+                logprobs_all[req_id] = sampled.logprobs[first:first + len(emitted)]
             else:
                 emitted = self._rejection_sample(sampler, logits[first:first + n], rows[first:first + n], d, q,
                                                  vocab_size)
-                logprobs = self._logprobs(logits[first:first + len(emitted)], emitted, state.sampling_params.logprobs)
+                logprobs_all[req_id] = self._logprobs(logits[first:first + len(emitted)], emitted,
+                                                      state.sampling_params.logprobs)
             emitted_all[req_id] = emitted
+        # under tensor parallelism the output rank's run is every rank's (spec_decode/parallel.py)
+        emitted_all = broadcast_emitted([s.request_id for s in states], drafts, emitted_all, self.device)
+        for state in states:
+            req_id = state.request_id
+            emitted, logprobs = emitted_all[req_id], logprobs_all.get(req_id)
+            if not emitted:
+                output.failed[req_id] = "model produced non-finite logits"
+                continue
+            if logprobs is None or len(logprobs) != len(emitted):  # another rank's run (never reported)
+                logprobs = [None] * len(emitted)
+            d = drafts.get(req_id, [])
             output.sampled_token_ids[req_id] = emitted[-1]
             if logprobs[-1] is not None:
                 output.logprobs[req_id] = logprobs[-1]  # type: ignore[assignment]

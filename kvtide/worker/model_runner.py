@@ -249,6 +249,8 @@ class ModelRunner:
         drafts = self.spec.propose(so, self.requests) if self.spec is not None and so.num_draft_tokens else {}
         if so.grammar is not None and drafts:  # structured output: drafts the grammar forbids are cut
             drafts = so.grammar.check_drafts(drafts, keep=self.spec.sampled_draft_ids(drafts))
+        if self.spec is not None and so.num_draft_tokens:  # every rank of the TP group computes rank 0's
+            drafts = self.spec.agree(so, drafts)
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
         hidden = self._forward(inputs)

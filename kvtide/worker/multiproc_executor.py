@@ -222,7 +222,9 @@ class MultiprocExecutor:
 class SampledTokenRelay:
     """Under pipeline parallelism only the last stage samples; the earlier stages (rank 0 among
     them) learn each request's tokens from the request's next step (CachedRequestData.
-    sampled_token_ids), which this relay fills from the outputs it has seen. Tokens of a request
+    sampled_token_ids), which this relay fills from the outputs it has seen (with speculative
+    decoding a step's accepted drafts, then its sampled token: every stage then proposes n-gram
+    drafts from the same tokens). Tokens of a request
     that is sent again in full (after preemption) or finished are dropped: the full copy has them."""
 
     def __init__(self, enabled: bool) -> None:
@@ -234,8 +236,8 @@ class SampledTokenRelay:
         if not self.enabled:
             return
         for req_id, token in output.sampled_token_ids.items():
-            if req_id in self._live:
-                self._pending.setdefault(req_id, []).append(token)
+            if req_id in self._live:  # speculative decoding: the accepted drafts came first
+                self._pending.setdefault(req_id, []).extend(output.spec_token_ids.get(req_id, []) + [token])
         for req_id in output.failed:  # the sampling stage appended a placeholder for it
             if req_id in self._live:
                 self._pending.setdefault(req_id, []).append(0)

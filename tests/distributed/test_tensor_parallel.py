@@ -47,14 +47,16 @@ def test_bad_parallel_configs(checkpoint_factory, llama_dir, monkeypatch):
     assert "distributed_executor_backend" in config_error(llama_dir, tensor_parallel_size=2,
                                                           distributed_executor_backend="threads")
     assert "cpu_threads_per_rank" in config_error(llama_dir, tensor_parallel_size=2, cpu_threads_per_rank=0)
-    assert "--quantization (int8)" in config_error(llama_dir, tensor_parallel_size=2, quantization="int8",
-                                                   cpu_threads_per_rank=1)
-    assert "speculative decoding" in config_error(
-        llama_dir, tensor_parallel_size=2, cpu_threads_per_rank=1,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    mlp320 = checkpoint_factory("LlamaForCausalLM", intermediate_size=320)  # int4 g64 fits 320, not a rank's 160
+    assert "tensor_parallel_size=2 = 160" in config_error(mlp320, tensor_parallel_size=2, quantization="int4",
+                                                          quantization_group_size=64, cpu_threads_per_rank=1)
+    assert "'layer_skip' does not combine with pipeline parallelism" in config_error(
+        llama_dir, pipeline_parallel_size=2, cpu_threads_per_rank=1,
+        speculative_config={"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 1})
     assert "data_parallel_size_local" in config_error(llama_dir, data_parallel_size=2, data_parallel_size_local=3)
-    mixtral = checkpoint_factory("MixtralForCausalLM")
-    assert "--enable-expert-parallel" in config_error(mixtral, tensor_parallel_size=2, cpu_threads_per_rank=1)
+    # tensor-parallel experts split each expert's intermediate dimension: 97 rows do not halve
+    mixtral = checkpoint_factory("MixtralForCausalLM", intermediate_size=97)
+    assert "expert intermediate size (97)" in config_error(mixtral, tensor_parallel_size=2, cpu_threads_per_rank=1)
     monkeypatch.setattr(config_checks, "usable_cpus", lambda: 1)
     message = config_error(llama_dir, tensor_parallel_size=2)
     assert "needs at least 2 CPUs" in message and "1 are usable" in message

@@ -5,11 +5,17 @@ cache, on real multi-process replicas (gloo on 127.0.0.1, one thread per rank).
 TP=2 on GQA (4 query / 2 KV heads, one KV head per rank) and on MQA (1 KV head, replicated on both
 ranks) with tied embeddings (vocabulary-parallel table shared by the LM head); PP=2 on Qwen2 (q/k/v
 bias, tied embeddings: the last stage keeps its own copy of the table); TP=2 x PP=2 in 4 processes.
+
+Mixture-of-experts and MLA models: experts split whole (expert parallel) or by their intermediate
+dimension (tensor-parallel experts: 1/tp of every expert per rank, routed and shared experts
+all-reduced once per block), DeepSeek's latent attention with its heads split and the whole latent
+cache on every rank, and pipeline stages; the expert load equal to one rank's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from hf_reference import LONG_PROMPT, hf_greedy
@@ -24,6 +30,10 @@ from test_hf_parity import (
     assert_prompt_logprobs_match_hf,
     make_llm,
 )
+from test_moe_parity import MLA, randomize_correction_bias
+from test_moe_parity import MOE_CASES as MOE_CHECKPOINTS
+
+from kvtide.layers.moe import FusedMoE
 
 WARM = dataclasses.replace(GREEDY_LOGPROBS, prompt_logprobs=None)
 
@@ -80,36 +90,92 @@ def test_parallel_replica_matches_hf(checkpoint_factory, case):
         llm.shutdown()
 
 
+TP2 = dict(tensor_parallel_size=2)
+EP2 = dict(tensor_parallel_size=2, enable_expert_parallel=True)
 MOE_CASES = {
-    "mixtral-tp2-ep": ("MixtralForCausalLM", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
-    "qwen2moe-tp2-ep-shared-expert": ("Qwen2MoeForCausalLM", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
-    "mixtral-pp2": ("MixtralForCausalLM", dict(pipeline_parallel_size=2)),
+    # case: (checkpoint: architecture and config overrides, or a case of test_moe_parity.py), parallel
+    "mixtral-tp2-ep": (("MixtralForCausalLM", {}), EP2),
+    "qwen2moe-tp2-ep-shared-expert": (("Qwen2MoeForCausalLM", {}), EP2),
+    "mixtral-pp2": (("MixtralForCausalLM", {}), dict(pipeline_parallel_size=2)),
+    # tensor-parallel experts: every rank half of each expert's intermediate dimension
+    "mixtral-tp2-tp-experts": (("MixtralForCausalLM", {}), TP2),
+    "qwen2moe-tp2-tp-experts-shared-expert": ("qwen2-moe", TP2),
+    # MLA: 2 of the 4 heads per rank; q LoRA and tensor-parallel experts / no q LoRA and expert parallel
+    "deepseek-v3-tp2-tp-experts": ("deepseek-v3", TP2),
+    "deepseek-v2-tp2-ep": ("deepseek-v2", EP2),
+    "deepseek-v3-pp2": ("deepseek-v3", dict(pipeline_parallel_size=2)),
 }
+
+
+def moe_checkpoint(checkpoint_factory, checkpoint) -> str:
+    """A tiny MoE checkpoint: (architecture, overrides), or test_moe_parity's case by name (DeepSeek-V3's
+    correction bias randomized there, so that routing depends on it)."""
+    if not isinstance(checkpoint, str):
+        architecture, overrides = checkpoint
+        return checkpoint_factory(architecture, **overrides)
+    architecture, overrides = MOE_CHECKPOINTS[checkpoint]
+    model_dir = checkpoint_factory(architecture, **overrides)
+    if architecture == "DeepseekV3ForCausalLM" and not os.path.exists(os.path.join(model_dir, ".bias")):
+        randomize_correction_bias(model_dir)
+        open(os.path.join(model_dir, ".bias"), "w").close()
+    return model_dir
+
+
+def expert_weight_bytes(model) -> int:
+    return sum(m.w13_weight.nbytes + m.w2_weight.nbytes for m in model.modules() if isinstance(m, FusedMoE))
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_moe_replica_matches_hf_and_counts_the_same_expert_load(checkpoint_factory, case):
     """Experts split whole over two ranks (tokens exchanged by all-to-all; the shared expert and
-    attention tensor-parallel), or layers over two stages: HF's tokens and logprobs, and the
-    expert load the engine reports equal to one rank's."""
-    architecture, parallel = MOE_CASES[case]
-    model_dir = checkpoint_factory(architecture)
+    attention tensor-parallel), split by their intermediate dimension (partial sums all-reduced),
+    or layers over two stages: HF's tokens and logprobs, and the expert load the engine reports
+    equal to one rank's. Tensor-parallel experts: rank 0 holds exactly 1/tp of the expert bytes,
+    and a step costs one all-reduce per attention and per MoE block (routed and shared experts
+    reduced together). MLA: each rank caches the whole latent (not divided by tp)."""
+    checkpoint, parallel = MOE_CASES[case]
+    model_dir = moe_checkpoint(checkpoint_factory, checkpoint)
+    tp, pp = parallel.get("tensor_parallel_size", 1), parallel.get("pipeline_parallel_size", 1)
+    tp_experts = tp > 1 and not parallel.get("enable_expert_parallel")
     prompts = PROMPTS[:4]
     whole = make_llm(model_dir, max_num_batched_tokens=48)
     whole.generate(prompts, GREEDY_LOGPROBS)
     expected_load = whole.engine.core.get_stats().expert_load
+    whole_experts = expert_weight_bytes(whole.engine.core.executor.runner.model)
+    whole_block_bytes = whole.engine.core.executor.kv_bytes_per_block()
+    hf = whole.engine.core.config.model_config.hf_config
     whole.shutdown()
     llm = parallel_llm(model_dir, parallel, max_num_batched_tokens=48)
     try:
+        executor = llm.engine.core.executor
+        model = executor.runner.model
+        if tp_experts:
+            assert expert_weight_bytes(model) * tp == whole_experts
+            assert len(set(executor.weight_bytes_per_rank)) == 1  # the ranks hold alike
+        if getattr(hf, "kv_lora_rank", None):  # MLA: the whole latent per token and layer on every rank
+            latent = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
+            block_bytes = 16 * (hf.num_hidden_layers // pp) * latent * 4
+            assert executor.runner.kv_bytes_per_block() == executor.kv_bytes_per_block() == block_bytes
+            assert block_bytes * pp == whole_block_bytes
+            for attn in model.attention_layers():
+                assert attn.num_heads == hf.num_attention_heads // tp and attn.kv_cache.shape[-1] == latent
         outputs = llm.generate(prompts, GREEDY_LOGPROBS)
         assert_greedy_matches_hf(model_dir, prompts, outputs)
         for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
             assert_logprobs_match_hf(hf_greedy(model_dir, prompt, MAX_TOKENS), out, f"{case} prompt {i}")
         load = llm.engine.core.get_stats().expert_load
-        assert load["layers"] == expected_load["layers"] == list(range(len(load["layers"])))
+        assert load["layers"] == expected_load["layers"]  # every sparse layer, of every stage
         assert load["tokens"] == expected_load["tokens"]
         if parallel.get("enable_expert_parallel"):
             stats = llm.engine.core.executor.comm_stats()
             assert all(stats[rank]["tp.all_to_all"]["bytes"] > 0 for rank in (0, 1))
+        if tp_experts:  # one step: the embedding's all-reduce, then attention's and the MLP's per layer
+            before = executor.comm_stats()
+            llm.generate(prompts[:1], dataclasses.replace(WARM, max_tokens=1, logprobs=None))
+            after = executor.comm_stats()
+            for rank in range(tp):
+                calls = {kind: after[rank].get(kind, {}).get("calls", 0) - before[rank].get(kind, {}).get("calls", 0)
+                         for kind in ("tp.all_reduce", "tp.all_to_all")}
+                assert calls == {"tp.all_reduce": 1 + 2 * hf.num_hidden_layers, "tp.all_to_all": 0}
     finally:
         llm.shutdown()

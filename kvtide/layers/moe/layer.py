@@ -8,6 +8,15 @@ Dispatch and combine are all-to-alls under expert parallelism (`--enable-expert-
 group, which is the TP group, splits whole experts; expert_parallel.py), nothing at one rank. Routing,
 the load counters and the capacity cap are global and computed alike on every rank.
 
+Under tensor parallelism without expert parallelism the experts are split by their intermediate
+dimension instead (vLLM's TP MoE): every rank holds every expert, its 1/tp slice of each
+
+    w13 (E, 2I, H) -> (E, 2I/tp, H)   [gate rows r*I/tp..; up rows I + r*I/tp..], as MergedColumnParallelLinear
+    w2  (E, H, I)  -> (E, H, I/tp)    columns r*I/tp.., as RowParallelLinear
+
+so its output is a partial sum (`partial_output`); the model adds its shared experts' partial
+products and all-reduces the block once (models/sparse_moe.py). No tokens move.
+
 The router linear and any shared experts belong to the model (they differ between architectures:
 Qwen2-MoE gates its shared expert with a sigmoid, DeepSeek adds n_shared_experts plainly).
 
@@ -16,11 +25,13 @@ Weights, in transformers' fused layout (HF 5.x `experts.gate_up_proj` / `down_pr
     w13_weight (E_local, 2I, H)   rows [0, I): expert e's gate_proj / w1, rows [I, 2I): its up_proj / w3
     w2_weight  (E_local, H, I)    expert e's down_proj / w2
 
-E_local is E at one rank; under expert parallelism the experts this rank holds (`local_experts`,
+E_local is E at one rank; I is the per-rank intermediate size (`local_intermediate_size`, I/tp
+under tensor-parallel experts); under expert parallelism the experts this rank holds (`local_experts`,
 from the `ExpertPlacement`, placement.py), slot s holding expert local_experts[s]. A checkpoint's
 per-expert tensors load through `param.weight_loader(param, tensor, shard_id)` with shard_id
 (e, "w1"), (e, "w3") or (e, "w2") and global e (another rank's expert: ignored, its lazily read
 tensor never read); None loads a whole stacked (E, ...) tensor, this rank's experts taken from it.
+Tensor-parallel experts read only their rows (w1, w3) or columns (w2) of each expert's tensor.
 """
 
 from __future__ import annotations
@@ -28,8 +39,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvtide.distributed import get_ep_group, get_layout
-from kvtide.layers.linear import default_weight_loader
+from kvtide.distributed import get_ep_group, get_layout, get_tp_group
+from kvtide.layers.linear import default_weight_loader, divide, take
 from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
 from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
 from kvtide.layers.moe.placement import ExpertPlacement
@@ -68,6 +79,11 @@ class FusedMoE(nn.Module):
     experts `placement` gives it (default: contiguous blocks of E / n; E not divisible by n is a
     ValueError) and exchanges tokens with the others in every forward (`dispatcher`). `num_experts`
     stays the global E: routing and the counters below are identical on every rank.
+
+    Without expert parallelism, a TP group of n > 1 ranks splits every expert's intermediate
+    dimension instead (`tp_size`; `intermediate_size` not divisible by n is a ValueError): the
+    forward's output is then this rank's partial sum (`partial_output`), which the caller
+    all-reduces. `intermediate_size` stays the global I.
 
     Expert load, for balancing and capacity planning: the buffers `expert_tokens` (E,) (the
     assignments routed to each expert, counted before capacity drops) and `dropped_tokens` (E,) grow
@@ -112,11 +128,15 @@ class FusedMoE(nn.Module):
         self.dispatcher = AllToAllDispatcher(ep_group, placement) if expert_parallel else None
         """The token exchange of expert parallelism; None at one rank."""
         self._dispatched: Dispatched | None = None
+        tp_group = get_tp_group()
+        self.tp_size = 1 if expert_parallel else tp_group.world_size
+        """Ranks splitting each expert's intermediate dimension (1: every expert whole on its rank)."""
+        self.tp_rank = 0 if expert_parallel else tp_group.rank_in_group
+        self.local_intermediate_size = divide(intermediate_size, self.tp_size, "the experts' intermediate size")
 
-        local = self.local_num_experts
-        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        local, inter = self.local_num_experts, self.local_intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             param.reads_slices = True  # type: ignore[attr-defined]  # other ranks' experts stay unread
@@ -139,6 +159,11 @@ class FusedMoE(nn.Module):
         self.w2_quantized: QuantizedExperts | None = None
         """The experts' weights after quantize_experts (then the float parameters are gone)."""
 
+    @property
+    def partial_output(self) -> bool:
+        """Whether forward returns this rank's partial sum (tensor-parallel experts), to be all-reduced."""
+        return self.tp_size > 1
+
     # ---- weights ----------------------------------------------------------------------------------
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy a checkpoint tensor into `param`: one expert's w1 / w3 / w2 (shard_id (e, name), e
@@ -146,6 +171,9 @@ class FusedMoE(nn.Module):
         Shapes must match exactly: ValueError names both. `loaded` may be a lazily read tensor."""
         stacked = param is self.w13_weight or param is self.w2_weight
         if shard_id is None:
+            if stacked and self.tp_size > 1:
+                self._load_stacked_slice(param, loaded)
+                return
             if stacked and self.ep_size > 1:
                 expected = (self.num_experts, *param.shape[1:])
                 if tuple(loaded.shape) != expected:
@@ -174,16 +202,37 @@ class FusedMoE(nn.Module):
         slot = self._slot_of.get(expert)
         if slot is None:
             return  # held by another rank of the EP group
-        target = param.data[slot]  # (2I, H) or (H, I)
+        inter = self.local_intermediate_size
+        target = param.data[slot]  # (2I, H) or (H, I), I this rank's
         if shard == "w1":
-            target = target[: self.intermediate_size]
+            target = target[:inter]
         elif shard == "w3":
-            target = target[self.intermediate_size:]
+            target = target[inter:]
+        if self.tp_size > 1:  # this rank's rows of w1 / w3, columns of w2
+            loaded = take(loaded, 1 if shard == "w2" else 0, self.tp_rank * inter, inter)
         target.copy_(_materialize(loaded))
+
+    def _load_stacked_slice(self, param: nn.Parameter, loaded) -> None:
+        """A whole stacked (E, 2I, H) or (E, H, I) checkpoint tensor -> this rank's intermediate
+        slice of every expert: the gate and up halves' rows separately, w2's columns."""
+        intermediate, inter = self.intermediate_size, self.local_intermediate_size
+        whole = (2 * intermediate, self.hidden_size) if param is self.w13_weight else (self.hidden_size, intermediate)
+        if tuple(loaded.shape) != (self.num_experts, *whole):
+            raise ValueError(f"weight shape mismatch: parameter {(self.num_experts, *whole)} vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        start = self.tp_rank * inter
+        if param is self.w2_weight:
+            param.data.copy_(_materialize(loaded.narrow(2, start, inter)))
+            return
+        param.data[:, :inter].copy_(_materialize(loaded.narrow(1, start, inter)))
+        param.data[:, inter:].copy_(_materialize(loaded.narrow(1, intermediate + start, inter)))
 
     def quantize_experts(self, quantize: ExpertQuantizer) -> None:
         """Quantize every local expert's w13 and w2 (on-the-fly --quantization; quantized_experts.py)
         and drop the float parameters."""
+        if self.tp_size > 1:
+            raise NotImplementedError("quantized experts split over tensor-parallel ranks are not supported; "
+                                      "use --enable-expert-parallel or world size 1")
         self.w13_quantized = QuantizedExperts(self.w13_weight.data, quantize)
         self.w2_quantized = QuantizedExperts(self.w2_weight.data, quantize)
         drop_parameters(self, "w13_weight", "w2_weight")
@@ -191,7 +240,8 @@ class FusedMoE(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """(T, H), (T, E) -> (T, H): route, dispatch, local experts, combine."""
+        """(T, H), (T, E) -> (T, H): route, dispatch, local experts, combine. Under tensor-parallel
+        experts this rank's partial sum (`partial_output`): the caller all-reduces it."""
         topk_weights, topk_ids = self.route(router_logits)
         hidden_states, topk_weights, topk_ids = self.dispatch(hidden_states, topk_weights, topk_ids)
         return self.combine(self.run_experts(hidden_states, topk_weights, topk_ids))
@@ -274,6 +324,8 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         ep = (f", ep_rank={self.ep_rank}/{self.ep_size}, local_experts={self.local_experts}"
               if self.ep_size > 1 else "")
+        if self.tp_size > 1:
+            ep += f", tp_rank={self.tp_rank}/{self.tp_size}, local_intermediate_size={self.local_intermediate_size}"
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, scoring_func={self.scoring_func}{ep}")
 

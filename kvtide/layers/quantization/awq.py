@@ -23,6 +23,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    check_shard_widths,
     checkpoint_modules,
     drop_parameters,
 )
@@ -109,6 +110,12 @@ class AWQConfig(QuantizationConfig):
             raise ValueError("an AWQ quantization_config needs group_size")
         return cls(int(group), qc.get("modules_to_not_convert"))
 
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """A row-parallel rank loads its in/tp input rows with whole groups (a column-parallel rank's
+        output columns must hold whole int32 words of 8: checked as each layer loads)."""
+        if tensor_parallel_size > 1 and self.group_size != -1:
+            check_shard_widths("AWQ group_size", self.group_size, hf_config, tensor_parallel_size)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.linear import LinearBase

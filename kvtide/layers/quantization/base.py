@@ -11,8 +11,9 @@ A fused layer ([q; k; v], [gate; up]) receives each checkpoint shard through its
 `weight_loader(param, tensor, shard_id)`: `quant_parameter` records along which dimension a
 parameter holds output rows and how many rows one element packs, so a shard lands at
 offset // pack along that dimension (AWQ packs 8 output columns per int32; GPTQ packs input rows,
-so its output dimension is not packed). The same bookkeeping is what a tensor-parallel rank will
-slice by.
+so its output dimension is not packed). A tensor-parallel rank takes its part of each checkpoint
+tensor by the same bookkeeping (`rank_part`): a column-parallel layer its output rows, a row-parallel
+one its input columns, in whole packed elements and groups.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class QuantizationConfig:
     def check_model(self, hf_config) -> None:
         """Raise ValueError for a model this scheme cannot quantize (before anything is loaded)."""
 
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Raise ValueError for a multi-rank replica this scheme cannot shard (before any process
+        starts). By default each rank loads its shard of the checkpoint (`rank_part`) or quantizes its
+        float shard after loading, and each pipeline stage its own layers."""
+
     def expert_quantizer(self):
         """How a MoE layer's float experts are quantized after loading (one expert's (N, K) weight ->
         its QuantizedWeight), or None: they stay float (checkpoint formats, w8a8)."""
@@ -102,10 +108,104 @@ def shard_range(layer: nn.Module, shard_id: object) -> tuple[int, int]:
     return layer.shard_range(shard_id)
 
 
+def shard_input_widths(hf_config, tp: int) -> list[tuple[str, int, int]]:
+    """(what, whole width, one rank's width) of the input columns of each kind of linear under
+    tensor parallelism: column-parallel layers read the whole hidden state, row-parallel ones
+    (o_proj, down_proj) their 1/tp of the heads or of the MLP. Experts split whole (expert
+    parallelism) keep their width."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    heads = hf_config.num_attention_heads * head_dim
+    intermediate = getattr(hf_config, "intermediate_size", None) or hf_config.hidden_size
+    widths = [("hidden_size", hf_config.hidden_size, hf_config.hidden_size),
+              ("intermediate_size", intermediate, intermediate // tp),
+              ("num_attention_heads * head_dim", heads, heads // tp)]
+    if getattr(hf_config, "moe_intermediate_size", None):
+        widths.append(("moe_intermediate_size", hf_config.moe_intermediate_size, hf_config.moe_intermediate_size))
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)  # Qwen2-MoE: split like a dense MLP
+    if shared:
+        widths.append(("shared_expert_intermediate_size", shared, shared // tp))
+    return widths
+
+
+def check_shard_widths(what: str, group: int, hf_config, tp: int, suggest: tuple[int, ...] = ()) -> None:
+    """ValueError unless `group` input columns (a quantization group or packed block, `what`)
+    divide every rank's part of a split input width under tensor_parallel_size=tp (the widths
+    nothing splits are the world-size-1 checks' business)."""
+    for name, whole, width in shard_input_widths(hf_config, tp):
+        if width != whole and width % group:
+            fits = [str(g) for g in suggest if width % g == 0]
+            hint = f"; pick one of {', '.join(fits)}" if fits else ""
+            raise ValueError(f"{what} {group} does not divide each rank's shard of the model's {name}: {whole} / "
+                             f"tensor_parallel_size={tp} = {width} input columns{hint}, or a smaller "
+                             f"tensor_parallel_size")
+
+
+def rank_part(layer: nn.Module, loaded: torch.Tensor, shard_id: object, local_shape: tuple[int, ...], name: str,
+              output_dim: int | None, pack: int = 1, input_dim: int | None = None, input_pack: int = 1
+              ) -> torch.Tensor:
+    """This tensor-parallel rank's part of a checkpoint tensor (the whole of it at world size 1):
+
+        column-parallel (and the vocabulary-parallel LM head): its rows along output_dim,
+            [checkpoint_rows / pack, + rows / pack)     (AWQ / packed zero points: 8 rows an element)
+        row-parallel: its input columns along input_dim,
+            [rank * in_per_rank / input_pack, + in_per_rank / input_pack)
+            (GPTQ's qweight: 8 input rows an int32; scales and zeros: one a group of columns)
+
+    A tensor that already has the rank's size along that dimension is shared by all ranks (a
+    per-channel scale of a row-parallel layer, a replicated KV head) and is taken whole. A rank's
+    part that starts or ends inside a packed element or a group is a ValueError naming it."""
+    tp = getattr(layer, "tp", None)
+    if tp is None or tp.world_size == 1:
+        return loaded
+    from kvtide.layers.embedding import VocabEmbedding
+    from kvtide.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(layer, RowParallelLinear):
+        if input_dim is None:
+            return loaded
+        size = layer.input_size_per_partition
+        return _narrow_part(loaded, input_dim, local_shape[input_dim], tp.rank_in_group * size, size, input_pack,
+                            f"{name}: this rank's {size} input columns (tensor_parallel_size={tp.world_size})",
+                            "input columns per element or group")
+    if output_dim is None:
+        return loaded
+    if isinstance(layer, ColumnParallelLinear):
+        offset, size = layer.checkpoint_rows(shard_id), shard_range(layer, shard_id)[1]
+    elif isinstance(layer, VocabEmbedding):  # its rows of the vocabulary, then zero rows up to the padded split
+        padded, size = -(-layer.vocab_size // tp.world_size), layer.rows_here
+        part = _narrow_part(loaded, output_dim, size // pack, layer.vocab_start, size, pack,
+                            f"{name}: this rank's {size} vocabulary rows (tensor_parallel_size={tp.world_size})",
+                            "output rows per element")
+        if (padded - size) % pack:
+            raise ValueError(f"{name}: the vocabulary ({layer.vocab_size}) split over tensor_parallel_size="
+                             f"{tp.world_size} pads a rank to {padded} rows, which does not align with the "
+                             f"checkpoint's {pack} output rows per element")
+        pad = list(part.shape)
+        pad[output_dim] = (padded - size) // pack
+        return torch.cat([part, part.new_zeros(pad)], dim=output_dim) if pad[output_dim] else part
+    else:
+        return loaded
+    return _narrow_part(loaded, output_dim, local_shape[output_dim], offset, size, pack,
+                        f"{name}: this rank's {size} output rows (tensor_parallel_size={tp.world_size})",
+                        "output rows per element")
+
+
+def _narrow_part(loaded: torch.Tensor, dim: int, local: int, offset: int, size: int, pack: int, what: str,
+                 unit: str) -> torch.Tensor:
+    if loaded.dim() <= dim or loaded.shape[dim] == local:
+        return loaded
+    if offset % pack or size % pack:
+        raise ValueError(f"{what} at {offset} do not align with the checkpoint's {pack} {unit}")
+    if (offset + size) // pack > loaded.shape[dim]:
+        raise ValueError(f"{what} at {offset} lie outside the checkpoint's {loaded.shape[dim]} elements along "
+                         f"dimension {dim} ({pack} {unit})")
+    return loaded.narrow(dim, offset // pack, size // pack)
+
+
 def quant_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                     output_dim: int | None = 0, pack: int = 1, per_shard: bool = False,
-                    optional: bool = False, input_dim: int | None = None, input_pack: int = 1
-                    ) -> nn.Parameter:
+                    optional: bool = False, input_dim: int | None = None, input_pack: int = 1,
+                    rank_sliced: bool = False) -> nn.Parameter:
     """Register a checkpoint-format parameter on `layer`.
 
     output_dim: the dimension that runs over output rows (None: shared by all rows, e.g. g_idx,
@@ -113,12 +213,17 @@ def quant_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: 
     it. per_shard: one entry per fused shard along dim 0 (per-tensor scales: a fused qkv has three).
     optional: a checkpoint may lack it (GPTQ's g_idx without act-order). input_dim / input_pack:
     the dimension over input columns (groups count as columns / group size) and columns per element,
-    recorded for a row-parallel split (GPTQ's qweight packs 8 input rows per int32)."""
+    recorded for a row-parallel split (GPTQ's qweight packs 8 input rows per int32). Under tensor
+    parallelism the loader keeps the rank's part (`rank_part`), unless rank_sliced: the caller's
+    loader hands it the part already."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     shard_ids = getattr(layer, "shard_ids", (None,))
 
     def weight_loader(p: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         target = p.data
+        if not per_shard and not rank_sliced:
+            loaded = rank_part(layer, loaded, shard_id, tuple(p.shape) if shard_id is None else _shard_shape(
+                layer, p, shard_id, output_dim, pack), name, output_dim, pack, input_dim, input_pack)
         if per_shard:
             index = 0 if shard_id is None else list(shard_ids).index(shard_id)
             target = target[index]
@@ -146,6 +251,15 @@ def quant_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: 
     param.input_dim, param.input_pack = input_dim, input_pack  # type: ignore[attr-defined]
     layer.register_parameter(name, param)
     return param
+
+
+def _shard_shape(layer: nn.Module, p: nn.Parameter, shard_id: object, output_dim: int | None,
+                 pack: int) -> tuple[int, ...]:
+    """The shape of one fused shard's part of parameter `p` (its rows along output_dim)."""
+    shape = list(p.shape)
+    if output_dim is not None:
+        shape[output_dim] = shard_range(layer, shard_id)[1] // pack
+    return tuple(shape)
 
 
 def drop_parameters(layer: nn.Module, *names: str) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    check_shard_widths,
     checkpoint_modules,
     drop_parameters,
 )
@@ -53,6 +54,7 @@ from kvtide.layers.quantization.gptq import (
     group_order,
     int_weight,
     loaded,
+    local_g_idx,
     unpack_int32,
 )
 from kvtide.layers.quantization.qweight import QuantizedWeight
@@ -145,10 +147,11 @@ def module_classes(layer: nn.Module) -> tuple[str, ...]:
 
 # ---- the methods ------------------------------------------------------------------------------------
 def zero_point_parameter(layer: nn.Module, modules: dict[object, str], name: str, columns: int = 1,
-                         block_rows: int = 1) -> None:
+                         block_rows: int = 1, column_group: int = 1) -> None:
     """An optional zero point of a symmetric scheme (shaped like its scale): exporters may write
     zeros; anything else is refused."""
-    row_scale_parameter(layer, modules, name, columns, block_rows=block_rows, optional=True)
+    row_scale_parameter(layer, modules, name, columns, block_rows=block_rows, optional=True,
+                        column_group=column_group)
 
 
 def check_zero(layer: nn.Module, name: str, where: str) -> None:
@@ -186,7 +189,7 @@ class CTIntMethod(WeightOnlyMethod):
                               optional=True)
         else:
             checked_parameter(layer, self.modules, hint, "weight", (n, k), torch.int8, output_dim=0, input_dim=1)
-        row_scale_parameter(layer, self.modules, "weight_scale", k // group)
+        row_scale_parameter(layer, self.modules, "weight_scale", k // group, column_group=group)
         if not self.w["symmetric"]:
             if self.packed:
                 checked_parameter(layer, self.modules, hint, "weight_zero_point", (-(-n // pack), k // group),
@@ -195,7 +198,7 @@ class CTIntMethod(WeightOnlyMethod):
                 checked_parameter(layer, self.modules, hint, "weight_zero_point", (n, k // group), torch.int8,
                                   output_dim=0, input_dim=1, input_pack=group)
         else:
-            zero_point_parameter(layer, self.modules, "weight_zero_point", k // group)
+            zero_point_parameter(layer, self.modules, "weight_zero_point", k // group, column_group=group)
         if strategy == "group":
             checked_parameter(layer, self.modules, "", "weight_g_idx", (k,), torch.int32, output_dim=None,
                               optional=True, input_dim=0)
@@ -220,7 +223,7 @@ class CTIntMethod(WeightOnlyMethod):
             zero_point = layer.weight_zero_point.data.float()
         g_idx = layer._parameters.get("weight_g_idx")
         g_idx = g_idx.data if loaded(g_idx) and not bool((g_idx.data < 0).any()) else None  # -1: column order
-        perm = group_order(g_idx, k, self.group, where)
+        perm = group_order(local_g_idx(layer, g_idx, k, self.group), k, self.group, where)
         if perm is not None:
             codes = codes.index_select(1, perm)
         # w = s * (q - zp) = s * (u - (offset + zp)) with u = q + offset the unsigned code
@@ -231,7 +234,8 @@ class CTIntMethod(WeightOnlyMethod):
 
     def _check_shapes(self, layer: nn.Module, where: str) -> None:
         shape = layer._parameters.get("weight_shape")
-        if not loaded(shape):
+        tp = getattr(layer, "tp", None)
+        if not loaded(shape) or (tp is not None and tp.world_size > 1):  # the whole layer's: rank_part checked the parts
             return
         _, k = self.shape
         for i, shard in enumerate(getattr(layer, "shard_ids", (None,))):
@@ -293,7 +297,8 @@ class CTFp8Method(Fp8Method):
         if self.block is None:
             zero_point_parameter(layer, self.modules, "weight_zero_point")
         else:
-            zero_point_parameter(layer, self.modules, "weight_zero_point", -(-k // self.block[1]), self.block[0])
+            zero_point_parameter(layer, self.modules, "weight_zero_point", -(-k // self.block[1]), self.block[0],
+                                 self.block[1])
         shards = len(getattr(layer, "shard_ids", (None,)))
         checked_parameter(layer, self.modules, "", "input_zero_point", (shards,), torch.float32, per_shard=True,
                           optional=True)
@@ -347,6 +352,24 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError("the compressed-tensors quantization_config has no config_groups")
         return cls(groups, list(qc.get("ignore") or []))
 
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """A row-parallel rank loads its in/tp input columns: whole groups (or blocks); act-order
+        groups are scattered over the whole layer and are refused, as for GPTQ."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return
+        for name, scheme in self.groups.items():
+            w = scheme["weights"]
+            what = f"compressed-tensors config group {name!r}"
+            if w["actorder"]:
+                raise ValueError(f"{what}: act-order weights (actorder {w['actorder']!r}) do not load tensor parallel "
+                                 f"(tensor_parallel_size={tp}): a row-parallel rank's input columns fall in groups "
+                                 f"scattered over the whole layer; serve it with tensor_parallel_size=1")
+            if w["strategy"] == "group":
+                check_shard_widths(f"{what}: group_size", int(w["group_size"]), hf_config, tp)
+            elif w["strategy"] == "block":
+                check_shard_widths(f"{what}: the block's columns", int(w["block_structure"][1]), hf_config, tp)
 
     def scheme_for(self, name: str, classes: tuple[str, ...]) -> str | None:
         """The config group that quantizes module `name` (None: left float)."""

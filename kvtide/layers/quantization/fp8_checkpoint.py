@@ -28,8 +28,10 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    check_shard_widths,
     checkpoint_modules,
     drop_parameters,
+    rank_part,
 )
 from kvtide.layers.quantization.fp8_method import Fp8Method
 from kvtide.layers.quantization.gptq import (
@@ -49,23 +51,35 @@ def layer_rows(layer: nn.Module, shard_id: object) -> tuple[int, int]:
 
 
 def row_scale_parameter(layer: nn.Module, modules: dict[object, str], name: str, columns: int,
-                        block_rows: int = 1, optional: bool = False) -> nn.Parameter:
+                        block_rows: int = 1, optional: bool = False, column_group: int = 1) -> nn.Parameter:
     """A float32 (N, columns) parameter of scales per output row, filled from whatever granularity a
     shard's checkpoint tensor has: a per-tensor scalar (repeated over the shard's rows), one per
     row ((rows,) or (rows, columns)), or one per block of `block_rows` rows
-    ((ceil(rows / block_rows), columns))."""
+    ((ceil(rows / block_rows), columns)); a column covers `column_group` input columns.
+
+    Under tensor parallelism a scalar is the checkpoint's, on every rank (never recomputed from
+    the rank's shard); block scales are spread over their rows before a column-parallel rank
+    takes its rows, so a rank's rows need not start at a block."""
     n = layer.weight_rows
     param = checked_parameter(layer, modules, "", name, (n, columns), torch.float32, output_dim=0,
-                              input_dim=1, optional=optional)
+                              input_dim=1, optional=optional, rank_sliced=True)
     inner = param.weight_loader  # type: ignore[attr-defined]
+    tp = getattr(layer, "tp", None)
+    split_rows = tp is not None and tp.world_size > 1 and hasattr(layer, "checkpoint_rows")  # column-parallel
 
     def weight_loader(p: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         rows = layer_rows(layer, shard_id)[1]
         if loaded.numel() == 1:
-            loaded = loaded.reshape(1, 1).expand(rows, columns)
-        elif loaded.dim() == 1 and columns == 1:
+            inner(p, loaded.reshape(1, 1).expand(rows, columns).contiguous(), shard_id)
+            return
+        if loaded.dim() == 1 and columns == 1:
             loaded = loaded.reshape(-1, 1)
-        elif block_rows > 1 and loaded.dim() == 2 and loaded.shape[0] == -(-rows // block_rows):
+        if split_rows and block_rows > 1 and loaded.dim() == 2:
+            loaded = loaded.repeat_interleave(block_rows, dim=0)
+        where = modules.get(shard_id, next(iter(modules.values())))
+        loaded = rank_part(layer, loaded, shard_id, (rows, columns), f"{where}.{name}", output_dim=0,
+                           input_dim=1, input_pack=column_group)
+        if block_rows > 1 and loaded.dim() == 2 and loaded.shape[0] == -(-rows // block_rows):
             loaded = loaded.repeat_interleave(block_rows, dim=0)[:rows]
         inner(p, loaded.contiguous(), shard_id)
 
@@ -96,7 +110,8 @@ def create_fp8_weights(layer: nn.Module, modules: dict[object, str], block: tupl
     if block is None:
         row_scale_parameter(layer, modules, scale_name, 1)
     else:
-        row_scale_parameter(layer, modules, scale_name, -(-k // block[1]), block_rows=block[0])
+        row_scale_parameter(layer, modules, scale_name, -(-k // block[1]), block_rows=block[0],
+                            column_group=block[1])
     shards = len(getattr(layer, "shard_ids", (None,)))
     # One scalar per shard; a dynamic checkpoint may still carry them (then unused as well).
     checked_parameter(layer, modules, "", "input_scale", (shards,), torch.float32, per_shard=True,
@@ -146,6 +161,12 @@ class Fp8CheckpointConfig(QuantizationConfig):
         ignored = list(qc.get("ignored_layers") or []) + list(qc.get("modules_to_not_convert") or [])
         return cls(str(qc.get("activation_scheme", "dynamic")).lower(), qc.get("weight_block_size"), ignored)
 
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Per-tensor and per-row scales shard as they are (each rank keeps the checkpoint's scale);
+        block scales need a row-parallel rank's columns to start and end at a block."""
+        if tensor_parallel_size > 1 and self.block is not None:
+            check_shard_widths("FP8 weight_block_size's columns", self.block[1], hf_config, tensor_parallel_size)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.linear import LinearBase

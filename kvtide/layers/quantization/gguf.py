@@ -21,6 +21,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    check_shard_widths,
     checkpoint_modules,
     drop_parameters,
     quant_parameter,
@@ -57,10 +58,13 @@ class GGUFMethod(WeightOnlyMethod):
         n, k = layer.weight.shape
         codes_cols = k // 2 if self.kind == "int4" else k
         dtype = torch.uint8 if self.kind == "int4" else torch.int8
-        quant_parameter(layer, "gguf_codes", (n, codes_cols), dtype)
-        quant_parameter(layer, "gguf_scales", (n, k // self.group_size), torch.float32)
+        # a row-parallel rank takes whole groups of its input columns (int4 codes: 2 columns a byte)
+        quant_parameter(layer, "gguf_codes", (n, codes_cols), dtype, input_dim=1, input_pack=k // codes_cols)
+        quant_parameter(layer, "gguf_scales", (n, k // self.group_size), torch.float32, input_dim=1,
+                        input_pack=self.group_size)
         if self.has_mins:
-            quant_parameter(layer, "gguf_mins", (n, k // self.group_size), torch.float32)
+            quant_parameter(layer, "gguf_mins", (n, k // self.group_size), torch.float32, input_dim=1,
+                            input_pack=self.group_size)
         layer.weight_shape = (n, k)
         drop_parameters(layer, "weight")
 
@@ -87,6 +91,14 @@ class GGUFConfig(QuantizationConfig):
 
         return cls(gguf_tensor_types(qc["model_dir"]))
 
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """GGUF's blocks run along input columns and are decoded into groups of 16 or 32 columns per
+        row, so a column-parallel rank takes its rows and a row-parallel rank whole groups of its
+        in/tp columns (every rank still decodes each tensor of the file whole, then keeps its part)."""
+        groups = [FORMATS[t][1] for t in self.tensor_types.values() if t in FORMATS]
+        if tensor_parallel_size > 1 and groups:
+            check_shard_widths("GGUF's quantization block of", max(groups), hf_config, tensor_parallel_size)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         names = [f"{module}.weight" for module in checkpoint_modules(prefix, layer, self.shard_names).values()]

@@ -36,6 +36,7 @@ from torch import nn
 from kvtide.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethod,
+    check_shard_widths,
     checkpoint_modules,
     drop_parameters,
     quant_parameter,
@@ -96,6 +97,16 @@ def group_order(g_idx: torch.Tensor | None, in_features: int, group_size: int, w
         raise ValueError(f"{where}: g_idx must assign each of the {groups} groups exactly {group_size} input "
                          f"columns; the checkpoint's does not")
     return torch.sort(g_idx, stable=True).indices
+
+
+def local_g_idx(layer: nn.Module, g_idx: torch.Tensor | None, in_features: int, group_size: int
+                ) -> torch.Tensor | None:
+    """g_idx as this rank's groups: a row-parallel rank's part of it still counts the groups of the
+    whole layer, and its first group is rank * in_features / group_size."""
+    tp = getattr(layer, "tp", None)
+    if g_idx is None or tp is None or tp.world_size == 1 or not hasattr(layer, "input_size_per_partition"):
+        return g_idx
+    return g_idx - tp.rank_in_group * (in_features // group_size)
 
 
 def checked_parameter(layer: nn.Module, modules: dict[object, str], hint: str, name: str,
@@ -162,7 +173,7 @@ class GPTQMethod(WeightOnlyMethod):
         zeros = unpack_int32(layer.qzeros.data, bits, dim=1)  # (G, N)
         if self.config.checkpoint_format == "gptq":
             zeros = zeros + 1  # v1 stores z - 1
-        g_idx = layer.g_idx.data if loaded(layer.g_idx) else None
+        g_idx = local_g_idx(layer, layer.g_idx.data if loaded(layer.g_idx) else None, k, self.group)
         perm = group_order(g_idx, k, self.group, next(iter(self.modules.values())))
         codes = codes.t()
         if perm is not None:
@@ -212,6 +223,23 @@ class GPTQConfig(QuantizationConfig):
         return cls(int(qc["bits"]), int(qc["group_size"]), bool(qc.get("desc_act", False)), bool(qc.get("sym", True)),
                    fmt, bool(qc.get("lm_head", False)), modules)
 
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """A row-parallel rank loads its in/tp input columns: whole groups and whole int32 words of
+        packed input rows. Act-order is refused: a rank's columns then belong to groups scattered
+        over the whole layer, whose scales it would need all of (vLLM keeps them unsplit for its
+        exllama kernel); kvtide's layout needs each rank's groups contiguous."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return
+        if self.desc_act:
+            raise ValueError(f"GPTQ act-order (desc_act) checkpoints do not load tensor parallel "
+                             f"(tensor_parallel_size={tp}): a row-parallel rank's input columns fall in groups "
+                             f"scattered over the whole layer; serve it with tensor_parallel_size=1 (pipeline "
+                             f"parallelism works) or use a checkpoint quantized without desc_act")
+        if self.group_size != -1:
+            check_shard_widths("GPTQ group_size", self.group_size, hf_config, tp)
+        check_shard_widths(f"{self.bits}-bit GPTQ's packing (input rows per int32)", 32 // self.bits, hf_config, tp)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.embedding import LMHead, VocabEmbedding

@@ -10,6 +10,11 @@ copy freed:
 A tied embedding shares the LM head's quantized table (looked up row by row); an untied one stays
 float (a lookup reads one row per token, not the table). A MoE layer's experts are quantized the same
 way, each expert's w13 and w2 on its own (layers/moe/quantized_experts.py); routers stay float.
+
+Under tensor parallelism each rank quantizes the float shard it loaded (`quantize_shard`): rows and
+int4 groups are whole on their rank, and a row-parallel rank's per-channel scale is the whole row's
+max |w| (one all-gather at load), so the codes equal world size 1's. (On CUDA, fp8's per-token
+activation scale in a row-parallel rank is still taken over its own columns.)
 """
 
 from __future__ import annotations
@@ -19,19 +24,58 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod
-from kvtide.layers.quantization.qweight import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
+from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod, check_shard_widths
+from kvtide.layers.quantization.qweight import (
+    FP8_MAX,
+    QuantizedWeight,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class OnlineWeightOnlyMethod(WeightOnlyMethod):
-    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedWeight], per_channel: str | None = None) -> None:
         self.quantize = quantize
+        self.per_channel = per_channel
+        """'int8' / 'fp8' when `quantize` scales each output row by its max |w| (see quantize_shard)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
-        return self.quantize(layer.weight.data)
+        return quantize_shard(layer, layer.weight.data, self.quantize, self.per_channel)
+
+
+# ---- tensor parallelism: each rank quantizes its shard ------------------------------------------------
+def whole_row_absmax(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """max |w| of each output row over the whole layer's input columns, (N,), for a row-parallel
+    rank (None for any other layer): it holds in/tp of the columns, and a per-channel scale from
+    those alone would differ from world size 1's (and between the ranks). One all-gather of (N,)."""
+    tp = getattr(layer, "tp", None)
+    if tp is None or tp.world_size == 1 or not hasattr(layer, "input_size_per_partition"):
+        return None
+    local = weight.float().abs().amax(-1, keepdim=True).contiguous()  # (N, 1)
+    return tp.all_gather(local, dim=-1).amax(-1)  # (N, tp) -> (N,)
+
+
+def quantize_shard(layer: nn.Module, weight: torch.Tensor, quantize: Callable[[torch.Tensor], QuantizedWeight],
+                   per_channel: str | None) -> QuantizedWeight:
+    """`quantize(weight)`, except that a row-parallel rank's per-channel scheme (int8, fp8) scales its
+    rows by the whole rows' max |w| (the same codes and scales as world size 1's, column for column).
+    Groups (int4) and column-parallel rows are whole on their rank already."""
+    absmax = whole_row_absmax(layer, weight) if per_channel is not None else None
+    if absmax is None:
+        return quantize(weight)
+    n, k = weight.shape
+    w = weight.float()
+    if per_channel == "int8":  # quantize_int8's arithmetic, with the whole rows' scale
+        scales = (absmax.clamp_min(torch.finfo(torch.float32).tiny) / 127.0).reshape(n, 1)
+        codes = torch.round(w / scales).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", codes, scales.contiguous(), None, k, n, k)
+    scales = (absmax.clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX).reshape(n, 1)  # quantize_fp8's
+    codes = (w / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QuantizedWeight("fp8", codes, scales.contiguous(), None, k, n, k)
 
 
 def quantizes(prefix: str, layer: nn.Module) -> bool:
@@ -51,7 +95,7 @@ class Int8Config(QuantizationConfig):
         return quantize_int8
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
-        return OnlineWeightOnlyMethod(quantize_int8) if quantizes(prefix, layer) else None
+        return OnlineWeightOnlyMethod(quantize_int8, "int8") if quantizes(prefix, layer) else None
 
 
 class Int4Config(QuantizationConfig):
@@ -75,6 +119,12 @@ class Int4Config(QuantizationConfig):
                 raise ValueError(f"int4 group size {self.group_size} does not divide the model's {what} "
                                  f"({size}); pick --quantization-group-size from "
                                  f"{', '.join(str(g) for g in INT4_GROUP_SIZES if size % g == 0) or 'none'}")
+
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """A row-parallel rank quantizes its in/tp columns: the group must divide that width."""
+        if tensor_parallel_size > 1:
+            check_shard_widths("int4 group size", self.group_size, hf_config, tensor_parallel_size,
+                               INT4_GROUP_SIZES)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         group = self.group_size
@@ -100,4 +150,4 @@ class Fp8Config(QuantizationConfig):
             return None
         from kvtide.layers.quantization.fp8_method import Fp8Method
 
-        return Fp8Method(lambda layer: quantize_fp8(layer.weight.data))
+        return Fp8Method(lambda layer: quantize_shard(layer, layer.weight.data, quantize_fp8, "fp8"))

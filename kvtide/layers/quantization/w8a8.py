@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvtide.layers.quantization.base import QuantizationConfig, QuantizeMethod
-from kvtide.layers.quantization.online import OnlineWeightOnlyMethod, quantizes
+from kvtide.layers.quantization.online import OnlineWeightOnlyMethod, quantize_shard, quantizes
 from kvtide.layers.quantization.qweight import QuantizedWeight, quantize_int8
 
 SMOOTH_ALPHA = 0.5
@@ -40,15 +40,17 @@ CUDA_MIN_ROWS = 17
 """torch._int_mm on CUDA needs more than 16 rows; decode batches are padded up to this."""
 
 
-def quantize_per_token_int8(x: torch.Tensor, static_scale: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) float -> (int8 codes (M, K), float32 scales (M, 1)); one scale per row, max|x| / 127,
-    or the checkpoint's static per-tensor scale."""
+def quantize_per_token_int8(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                            row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (int8 codes (M, K), float32 scales (M, 1)); one scale per row, max|x| / 127
+    (max|x| given as row_max (M, 1) when x is a rank's part of the rows), or the checkpoint's
+    static per-tensor scale."""
     x = x.float()
     if static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     else:
-        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127.0
+        row_max = x.abs().amax(-1, keepdim=True) if row_max is None else row_max
+        scale = row_max.clamp_min(1e-12) / 127.0
     return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
 
 
@@ -60,6 +62,19 @@ def int8_matmul(x_codes: torch.Tensor, w_codes: torch.Tensor) -> torch.Tensor:
         padded[:m] = x_codes
         return torch._int_mm(padded, w_codes.t())[:m]
     return torch._int_mm(x_codes, w_codes.t())
+
+
+def row_parallel_token_max(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """max |x| of each token over the whole input row, (M, 1), for a row-parallel rank under dynamic
+    per-token scales (None otherwise): it holds in/tp of the columns, and a scale from those alone
+    would round differently from world size 1 (and from rank to rank). One all-gather of (M,) a
+    layer, a step; a static scale needs none."""
+    tp = getattr(layer, "tp", None)
+    if tp is None or tp.world_size == 1 or not hasattr(layer, "input_size_per_partition") \
+            or layer.w8a8_input_scale is not None:
+        return None
+    local = x.float().abs().amax(-1, keepdim=True).contiguous()  # (M, 1)
+    return tp.all_gather(local, dim=-1).amax(-1, keepdim=True)  # (M, tp) -> (M, 1)
 
 
 class W8A8Method(QuantizeMethod):
@@ -84,7 +99,7 @@ class W8A8Method(QuantizeMethod):
         smooth = getattr(layer, "qsmooth", None)
         if smooth is not None:
             x2 = x2 / smooth
-        codes, scale = quantize_per_token_int8(x2, layer.w8a8_input_scale)
+        codes, scale = quantize_per_token_int8(x2, layer.w8a8_input_scale, row_parallel_token_max(layer, x2))
         y = int8_matmul(codes, qw.codes).float() * scale * layer.w8a8_weight_scale
         if bias is not None:
             y += bias
@@ -106,7 +121,7 @@ class SmoothQuantMethod(W8A8Method):
             weight = weight * smooth
             layer.register_buffer("qsmooth", smooth.to(layer.weight.dtype), persistent=False)
             del layer.w8a8_act_max
-        return quantize_int8(weight), None
+        return quantize_shard(layer, weight, quantize_int8, "int8"), None  # a row-parallel rank: whole rows' scales
 
 
 class W8A8Config(QuantizationConfig):
@@ -124,12 +139,26 @@ class W8A8Config(QuantizationConfig):
     def needs_calibration(self) -> bool:
         return self.calibration_data is not None
 
+    def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Calibration is refused: every rank would run the calibration prefill on its own at load
+        (`runner.prefill_hidden_states`, outside the scheduler), which passes no activations from
+        one pipeline stage to the next, so later stages would observe nothing; and under tensor
+        parallelism a column-parallel rank would smooth by the weight maxima of its own rows only,
+        not the layer's. Plain W8A8 (no calibration) shards: each rank rounds its own input per token
+        (a row-parallel rank its in/tp columns, so the rounding, not the weights, differs from world
+        size 1)."""
+        if self.calibration_data is not None:
+            raise ValueError(f"w8a8 with --calibration-data does not combine with tensor or pipeline parallelism "
+                             f"(tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
+                             f"{pipeline_parallel_size}): the calibration prefill runs on one rank; leave out "
+                             f"--calibration-data (plain W8A8) or run with world size 1")
+
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.linear import LinearBase
 
         if not quantizes(prefix, layer):
             return None
-        return SmoothQuantMethod() if isinstance(layer, LinearBase) else OnlineWeightOnlyMethod(quantize_int8)
+        return SmoothQuantMethod() if isinstance(layer, LinearBase) else OnlineWeightOnlyMethod(quantize_int8, "int8")
 
     def describe(self) -> str:
         return "w8a8 (SmoothQuant)" if self.calibration_data else "w8a8"

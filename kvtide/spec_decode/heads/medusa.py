@@ -111,9 +111,10 @@ class MedusaHeads(nn.Module):
         check_tensors(tensors, {name: shape for name, (_, shape) in names.items()},
                       f"{what} ({layout} layout, {num_heads} heads x {num_layers} layers)")
         params = dict(model.named_parameters())
-        with torch.no_grad():
+        with torch.no_grad():  # through the layers' loaders: under tensor parallelism an LM head keeps its rows
             for name, (param_name, _) in names.items():
-                params[param_name].copy_(tensors[name])
+                param = params[param_name]
+                param.weight_loader(param, tensors[name].to(param.dtype))  # type: ignore[attr-defined]
         return model.eval()
 
 
