@@ -73,17 +73,19 @@ def randomize_correction_bias(model_dir: str, seed: int = 0) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def moe_case_dir(checkpoint_factory, case: str) -> str:
+    """MOE_CASES[case] built (DeepSeek-V3's correction bias randomized once, so routing depends on it)."""
+    architecture, overrides = MOE_CASES[case]
+    model_dir = checkpoint_factory(architecture, **overrides)
+    if architecture == "DeepseekV3ForCausalLM" and not os.path.exists(os.path.join(model_dir, ".bias")):
+        randomize_correction_bias(model_dir)
+        open(os.path.join(model_dir, ".bias"), "w").close()
+    return model_dir
+
+
 @pytest.fixture(scope="module")
 def moe_dir(checkpoint_factory):
-    def get(case: str) -> str:
-        architecture, overrides = MOE_CASES[case]
-        model_dir = checkpoint_factory(architecture, **overrides)
-        if architecture == "DeepseekV3ForCausalLM" and not os.path.exists(os.path.join(model_dir, ".bias")):
-            randomize_correction_bias(model_dir)
-            open(os.path.join(model_dir, ".bias"), "w").close()
-        return model_dir
-
-    return get
+    return lambda case: moe_case_dir(checkpoint_factory, case)
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))

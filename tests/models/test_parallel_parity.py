@@ -15,7 +15,6 @@ cache on every rank, and pipeline stages; the expert load equal to one rank's.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 from hf_reference import LONG_PROMPT, hf_greedy
@@ -30,8 +29,7 @@ from test_hf_parity import (
     assert_prompt_logprobs_match_hf,
     make_llm,
 )
-from test_moe_parity import MLA, randomize_correction_bias
-from test_moe_parity import MOE_CASES as MOE_CHECKPOINTS
+from test_moe_parity import MLA, moe_case_dir
 
 from kvtide.layers.moe import FusedMoE
 
@@ -113,12 +111,7 @@ def moe_checkpoint(checkpoint_factory, checkpoint) -> str:
     if not isinstance(checkpoint, str):
         architecture, overrides = checkpoint
         return checkpoint_factory(architecture, **overrides)
-    architecture, overrides = MOE_CHECKPOINTS[checkpoint]
-    model_dir = checkpoint_factory(architecture, **overrides)
-    if architecture == "DeepseekV3ForCausalLM" and not os.path.exists(os.path.join(model_dir, ".bias")):
-        randomize_correction_bias(model_dir)
-        open(os.path.join(model_dir, ".bias"), "w").close()
-    return model_dir
+    return moe_case_dir(checkpoint_factory, checkpoint)
 
 
 def expert_weight_bytes(model) -> int:
