@@ -78,9 +78,13 @@ class LinearBase(nn.Module):
         return 0, self.output_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's product (quantized or float), no collective: a row-parallel layer's partial sum."""
         if self.quantized is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        return linear(x, self.weight, self.bias, self.gemm_plan)
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self.weight, bias, self.gemm_plan)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
@@ -102,10 +106,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(x)
-        if self.quantized is not None:  # the rank's in/tp columns, quantized (bias once, after the sum)
-            out = self.quant_method.apply(self, x, None)
-        else:
-            out = linear(x, self.weight, None, self.gemm_plan)
+        out = self.matmul(x, None)  # the bias once, after the sum
         self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

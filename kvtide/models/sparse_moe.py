@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtide.distributed import get_tp_group
-from kvtide.layers.linear import LinearBase, ReplicatedLinear
+from kvtide.layers.linear import ReplicatedLinear
 from kvtide.layers.moe import FusedMoE
 from kvtide.models.llama import LlamaMLP
 
@@ -78,9 +78,8 @@ class SharedExpertMLP(LlamaMLP):
     return its rank's partial product unreduced, for the block to all-reduce with the routed one."""
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial down projection (no all-reduce; no bias: shared experts have none)."""
-        assert self.down_proj.bias is None, "a partial product with a bias would add it tp times"
-        return LinearBase.forward(self.down_proj, self.act_fn(self.gate_up_proj(x)))
+        """This rank's partial down projection (no all-reduce; shared experts have no bias)."""
+        return self.down_proj.matmul(self.act_fn(self.gate_up_proj(x)), None)
 
 
 class SparseMoeBlock(nn.Module):

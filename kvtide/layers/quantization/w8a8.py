@@ -144,9 +144,8 @@ class W8A8Config(QuantizationConfig):
         (`runner.prefill_hidden_states`, outside the scheduler), which passes no activations from
         one pipeline stage to the next, so later stages would observe nothing; and under tensor
         parallelism a column-parallel rank would smooth by the weight maxima of its own rows only,
-        not the layer's. Plain W8A8 (no calibration) shards: each rank rounds its own input per token
-        (a row-parallel rank its in/tp columns, so the rounding, not the weights, differs from world
-        size 1)."""
+        not the layer's. Plain W8A8 (no calibration) shards: a row-parallel rank rounds its in/tp
+        input columns per token by the whole row's max (row_parallel_token_max), as world size 1 does."""
         if self.calibration_data is not None:
             raise ValueError(f"w8a8 with --calibration-data does not combine with tensor or pipeline parallelism "
                              f"(tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size="
