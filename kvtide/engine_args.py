@@ -147,9 +147,12 @@ class EngineArgs:
     data_parallel_size_local: int | None = None
     """Replicas this node starts (multi-node data parallelism; default: data_parallel_size)."""
     data_parallel_address: str | None = None
-    """Address the replicas of a multi-node data-parallel deployment reach the head on."""
+    """The head node's address that replicas on other nodes reach (multi-node data parallelism)."""
     data_parallel_rpc_port: int | None = None
-    """Port on data_parallel_address for the replicas' coordination."""
+    """Port on data_parallel_address where replicas on other nodes join the head (default 29550)."""
+    data_parallel_start_rank: int = 0
+    """The first replica rank this node runs: 0 on the head (the API server's node), the ranks after
+    the head's and earlier nodes' on a headless node."""
     enable_expert_parallel: bool = False
     """MoE models: the tensor-parallel ranks own whole experts (tokens reach them by all-to-all)
     instead of splitting every expert's matrices."""

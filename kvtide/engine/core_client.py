@@ -150,13 +150,18 @@ class EngineCoreClient:
             command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
         client = cls(proc, context, input_socket, output_socket, [input_path, output_path], engine_timeout_s)
-        try:
-            await client._wait_ready(startup_timeout_s)
-        except BaseException:
-            client.shutdown(timeout_s=2.0)
-            raise
-        client._monitor_task = asyncio.get_running_loop().create_task(client._monitor())
+        await client.wait_ready(startup_timeout_s)
         return client
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait for the engine core's "ready", then watch it (process exit, watchdog). If it fails
+        to start, everything is released and the error raised."""
+        try:
+            await self._wait_ready(timeout_s)
+        except BaseException:
+            self.shutdown(timeout_s=2.0)
+            raise
+        self._monitor_task = asyncio.get_running_loop().create_task(self._monitor())
 
     async def _wait_ready(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -200,6 +205,8 @@ class EngineCoreClient:
                     self.proc.kill()
                     self.proc.wait()
         self._fail_pending_calls(EngineDeadError("engine core shut down"))
+        if hasattr(self.proc, "close"):  # a remote engine's connection monitor (dp_remote.py)
+            self.proc.close()
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._context.term()
@@ -252,7 +259,8 @@ class EngineCoreClient:
             last_tick = now
             if self.engine_timeout_s is not None and self._watchdog(now):
                 return
-        self.mark_dead(f"engine core process exited with code {self.proc.returncode}")
+        self.mark_dead(getattr(self.proc, "exit_reason", None)
+                       or f"engine core process exited with code {self.proc.returncode}")
 
     def _watchdog(self, now: float) -> bool:
         """Ping an engine core that has been quiet; declare it dead (True) once it has been silent

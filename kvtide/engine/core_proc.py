@@ -2,6 +2,8 @@
 
     python -m kvtide.engine.core_proc --input ADDR --output ADDR --parent-pid PID --engine-args JSON
         [--dp-rank R --cpu-affinity 0,1 --cpu-threads 2]    (a data-parallel replica, dp_client.py)
+    python -m kvtide.engine.core_proc --handshake tcp://HEAD:PORT --dp-rank R --data-parallel-size N ...
+        (a replica on a headless node: the head hands it its two addresses, dp_remote.py)
 
 The loop:
     1. take every message waiting on the input socket (block only when no request is unfinished),
@@ -39,11 +41,13 @@ _IDLE_POLL_MS = 1000
 
 class EngineCoreProc:
     def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 parent_pid: int) -> None:
+                 parent_pid: int, head_watch=None) -> None:
         self.core = core
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
+        self.head_watch = head_watch
+        """A replica on a headless node: its connection to the head (dp_remote.ConnectionWatch)."""
         self.running = True
         # Requests not yet scheduled once: request id -> True. Their first scheduling time goes
         # back with the outputs, so the API side can measure queue time.
@@ -57,6 +61,9 @@ class EngineCoreProc:
                 self._handle_pending_messages()
             elif not busy and not self._parent_alive():
                 logger.warning("parent process %d is gone; engine core exits", self.parent_pid)
+                return
+            if self.head_watch is not None and self.head_watch.check():
+                logger.warning("the data-parallel head disconnected; engine core exits")
                 return
             if self.running and self.core.has_unfinished_requests():
                 self._step()
@@ -190,18 +197,27 @@ def set_cpu_share(cpu_affinity: str | None, cpu_threads: int | None) -> None:
         torch.set_num_threads(max(1, cpu_threads))
 
 
-def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> int:
+def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int,
+                    remote: bool = False) -> int:
+    """Build the engine core and serve it on the two addresses (tcp ones handed over by a remote
+    head when `remote`: then losing the head ends this process)."""
     from kvtide.bootstrap import build_engine_core
     from kvtide.engine_args import EngineArgs
 
     context = zmq.Context()
-    input_socket = context.socket(zmq.PULL)
-    input_socket.setsockopt(zmq.RCVHWM, 0)
-    input_socket.connect(input_addr)
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_addr)
+    head_watch = None
+    if remote:
+        from kvtide.engine.dp_remote import connect_data_sockets
+
+        input_socket, output_socket, head_watch = connect_data_sockets(context, input_addr, output_addr)
+    else:
+        input_socket = context.socket(zmq.PULL)
+        input_socket.setsockopt(zmq.RCVHWM, 0)
+        input_socket.connect(input_addr)
+        output_socket = context.socket(zmq.PUSH)
+        output_socket.setsockopt(zmq.SNDHWM, 0)
+        output_socket.setsockopt(zmq.LINGER, 2000)
+        output_socket.connect(output_addr)
     try:
         try:
             core, info = build_engine_core(EngineArgs(**engine_args))
@@ -218,7 +234,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
         ready = dict(dataclasses.asdict(info), num_blocks=cache.num_blocks, block_size=cache.block_size,
                      pid=os.getpid())
         output_socket.send(serialization.encode(["ready", ready]))
-        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid)
+        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid, head_watch)
         try:
             proc.run()
         except Exception as e:
@@ -230,6 +246,8 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
             core.shutdown()
         return 0
     finally:
+        if head_watch is not None:
+            head_watch.close()
         input_socket.close(linger=0)
         output_socket.close()
         context.term()
@@ -237,26 +255,47 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtide.engine.core_proc")
-    parser.add_argument("--input", required=True, help="ZMQ address the API process pushes requests to")
-    parser.add_argument("--output", required=True, help="ZMQ address outputs are pushed to")
+    parser.add_argument("--input", default=None, help="ZMQ address the API process pushes requests to")
+    parser.add_argument("--output", default=None, help="ZMQ address outputs are pushed to")
+    parser.add_argument("--handshake", default=None,
+                        help="instead of --input/--output: a data-parallel head's tcp address to join")
+    parser.add_argument("--data-parallel-size", type=int, default=None, help="with --handshake: the head's")
+    parser.add_argument("--handshake-timeout", type=float, default=600.0,
+                        help="with --handshake: seconds to wait for the head")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs fields as a JSON object")
     parser.add_argument("--dp-rank", type=int, default=None, help="data-parallel replica index (log lines)")
     parser.add_argument("--cpu-affinity", default=None, help="CPUs this process may run on, e.g. 0,1")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    if args.handshake is None and (args.input is None or args.output is None):
+        parser.error("give --input and --output, or --handshake")
+    if args.handshake is not None and (args.dp_rank is None or args.data_parallel_size is None):
+        parser.error("--handshake needs --dp-rank and --data-parallel-size")
     die_with_parent()
     # Ctrl-C in a terminal, `timeout`, `docker stop` signal the whole process group: the API
-    # process drains first and then stops us. Without a parent, a signal ends us at once.
+    # process drains first and then stops us. Without a parent, a signal ends us at once. A
+    # headless node's launcher forwards its signals: no API process there to drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == args.parent_pid else sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == args.parent_pid and args.handshake is None
+                  else sys.exit(0))
     tag = "engine-core" if args.dp_rank is None else f"engine-core DP{args.dp_rank}"
     logging.basicConfig(level=os.environ.get("KVTIDE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     if os.getppid() != args.parent_pid:
         return 1
     set_cpu_share(args.cpu_affinity, args.cpu_threads)
-    return run_engine_core(json.loads(args.engine_args), args.input, args.output, args.parent_pid)
+    if args.handshake is None:
+        return run_engine_core(json.loads(args.engine_args), args.input, args.output, args.parent_pid)
+    from kvtide.engine.dp_remote import join_head
+
+    try:
+        input_addr, output_addr = join_head(args.handshake, args.dp_rank, args.data_parallel_size,
+                                            args.handshake_timeout)
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    return run_engine_core(json.loads(args.engine_args), input_addr, output_addr, args.parent_pid, remote=True)
 
 
 if __name__ == "__main__":

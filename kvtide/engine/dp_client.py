@@ -10,7 +10,8 @@ AsyncLLM uses.
     └─────────────────────────────┘                        └───────────────────────────┘
 
 Each replica is a plain engine (its own EngineCoreClient, process, watchdog), started with
-data_parallel_size=1. The balancer (dp_balancer.py) picks a replica per user request: all its
+data_parallel_size=1. With --data-parallel-size-local < --data-parallel-size the ranks after this
+node's join from headless nodes over TCP (dp_remote.py) and are driven the same way. The balancer (dp_balancer.py) picks a replica per user request: all its
 engine-core requests (n > 1 children) go there, and aborts and stops follow them. One reader task
 per replica merges the outputs into one stream. Utility calls are broadcast and their answers
 combined (stats summed). If any replica dies, the whole engine is dead: the same EngineDeadError,
@@ -49,22 +50,36 @@ _DEAD = object()
 """Put in the merged output queue when the engine dies, to wake get_output."""
 
 
-def check_data_parallel_args(args: Any) -> None:
-    """The data-parallel flags this build can run; a ValueError naming what is not built. Needs no
-    model, so `kvtide serve` refuses before anything loads."""
+def check_data_parallel_args(args: Any, headless: bool = False) -> None:
+    """The data-parallel flags, checked before any model loads (so `kvtide serve` refuses at once).
+    A node runs replicas start_rank .. start_rank + size_local - 1 of data_parallel_size: the head
+    (the API server's node) starts at 0, a headless node after the head's and earlier nodes'."""
     dp = args.data_parallel_size
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
     local = args.data_parallel_size_local
     if local is not None and (not isinstance(local, int) or not 1 <= local <= dp):
         raise ValueError(f"data_parallel_size_local must be in [1, data_parallel_size={dp}], got {local!r}")
-    if local is not None and local < dp:
-        raise ValueError(
-            f"multi-node data parallelism is not built yet: --data-parallel-size-local {local} < "
-            f"--data-parallel-size {dp} leaves {dp - local} replica(s) to other nodes, and kvtide has no "
-            f"headless engine that could join this server over --data-parallel-address / "
-            f"--data-parallel-rpc-port. Run all {dp} replicas on this node (drop --data-parallel-size-local), "
-            f"or one server per node behind an HTTP load balancer")
+    start = args.data_parallel_start_rank
+    if not isinstance(start, int) or not 0 <= start < dp:
+        raise ValueError(f"data_parallel_start_rank must be in [0, data_parallel_size={dp}), got {start!r}")
+    if start + (local if local is not None else dp) > dp:
+        raise ValueError(f"data_parallel_start_rank={start} + data_parallel_size_local={local if local else dp} "
+                         f"exceeds data_parallel_size={dp}")
+    port = args.data_parallel_rpc_port
+    if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+        raise ValueError(f"data_parallel_rpc_port must be a TCP port in [1, 65535], got {port!r}")
+    if headless:
+        if local is None or start == 0:
+            raise ValueError("--headless runs some of another node's data-parallel replicas: give "
+                             "--data-parallel-size-local (replicas on this node) and --data-parallel-start-rank "
+                             "(>= 1; ranks 0 .. are the head's, which serves the API) and the head's "
+                             "--data-parallel-address / --data-parallel-rpc-port")
+        if not args.data_parallel_address:
+            raise ValueError("--headless needs --data-parallel-address: the head node's address to join")
+    elif start != 0:
+        raise ValueError(f"data_parallel_start_rank={start} is for a headless node (--headless); the node "
+                         f"that serves the API runs ranks 0 ..")
 
 
 @dataclasses.dataclass
@@ -212,9 +227,10 @@ class DPEngineCoreClient:
         """Start data_parallel_size replicas of `engine_args` at once; wait until all are ready."""
         check_data_parallel_args(engine_args)
         num = engine_args.data_parallel_size
+        local = engine_args.data_parallel_size_local or num
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         cuda = _uses_cuda(engine_args.device)
-        placements = plan_replicas(num, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
+        placements = plan_replicas(local, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
                                    visible_gpus=_visible_gpus() if cuda else None, omp_threads=_omp_threads())
         replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None,
                                            data_parallel_address=None, data_parallel_rpc_port=None)
@@ -222,18 +238,36 @@ class DPEngineCoreClient:
             logger.info("data-parallel engine %d: %s", p.rank,
                         p.env.get("CUDA_VISIBLE_DEVICES") and f"GPUs {p.env['CUDA_VISIBLE_DEVICES']}"
                         or f"CPUs {p.cpu_affinity or 'all'}, {p.cpu_threads or 'default'} torch threads")
-        results = await asyncio.gather(
-            *(EngineCoreClient.start(replica_args, startup_timeout_s, engine_timeout_s, dp_rank=p.rank,
-                                     cpu_threads=p.cpu_threads, cpu_affinity=p.cpu_affinity, env=p.env)
-              for p in placements), return_exceptions=True)
+        listener = None
+        if local < num:  # the other ranks join from their nodes (dp_remote.py); bound before any loads
+            from kvtide.engine.dp_remote import RemoteReplicaListener
+
+            listener = RemoteReplicaListener(engine_args, range(local, num))
+        starts = [EngineCoreClient.start(replica_args, startup_timeout_s, engine_timeout_s, dp_rank=p.rank,
+                                         cpu_threads=p.cpu_threads, cpu_affinity=p.cpu_affinity, env=p.env)
+                  for p in placements]
+        if listener is not None:
+            starts.append(listener.accept(startup_timeout_s, engine_timeout_s))
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        if listener is not None and isinstance(results[-1], list):
+            results = results[:-1] + results[-1]
         clients = [r for r in results if isinstance(r, EngineCoreClient)]
         errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors and local < num:
+            from kvtide.engine.dp_remote import check_same_model
+
+            try:
+                check_same_model(clients)
+            except ValueError as e:
+                errors.append(e)
         if errors:
+            for client in clients:
+                client.request_shutdown()
             for client in clients:
                 client.shutdown(timeout_s=2.0)
             first = errors[0]
-            rank = results.index(first)
-            if isinstance(first, ValueError):
+            rank = results.index(first) if first in results else local
+            if isinstance(first, ValueError) or rank >= local:  # the listener's errors name their ranks
                 raise first
             raise RuntimeError(f"data-parallel engine {rank}: {first}") from first
         balancer = DPLoadBalancer(num, block_size=clients[0].info.block_size,

@@ -4,6 +4,10 @@
     kvtide serve path/to/model.Q4_K_M.gguf
     kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
     kvtide serve ./my-llama --data-parallel-size 2     # two engine replicas, requests balanced
+    # Multi-node: ranks 0-1 and the API on the head (10.0.0.1), ranks 2-3 on a headless node
+    kvtide serve ./my-llama --data-parallel-size 4 --data-parallel-size-local 2 --data-parallel-address 10.0.0.1
+    kvtide serve ./my-llama --headless --data-parallel-size 4 --data-parallel-size-local 2
+        --data-parallel-start-rank 2 --data-parallel-address 10.0.0.1
     kvtide serve ./my-llama --api-keys-file keys.json  # per-key keys and limits (below)
 
 /v1/chat/completions and /v1/completions also answer WebSockets on the same paths: send the POST's
@@ -88,6 +92,10 @@ def register(subparsers) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="the model's reasoning format: chat responses carry the <think> section as "
                         "reasoning_content, and structured output constrains only the answer after it")
+    p.add_argument("--headless", action="store_true",
+                   help="serve no API: run this node's data-parallel replicas (--data-parallel-size-local "
+                        "of them, from --data-parallel-start-rank) for the head at --data-parallel-address / "
+                        "--data-parallel-rpc-port; exits when the head shuts them down or goes away")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -104,6 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not model:
         raise ValueError("give the model: kvtide serve MODEL (a directory, GGUF file, hub id, 'smollm2' or 'demo')")
     engine_args = EngineArgs.from_cli_args(args).replace(model=model)
+    if args.headless:
+        return _run_headless(engine_args, args.log_level)
     try:
         max_body = parse_size(args.max_request_body)
     except ValueError as e:
@@ -136,6 +146,15 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _run_headless(engine_args: EngineArgs, log_level: str) -> int:
+    from kvtide.engine.dp_remote import run_headless
+
+    check_data_parallel_args(engine_args, headless=True)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("KVTIDE_LOG_LEVEL", log_level.upper())
+    return run_headless(engine_args)
 
 
 API_KEY_NAME = "--api-key"
