@@ -21,6 +21,7 @@ from kvtide.config import (
     parse_size,
     resolve_dtype,
 )
+from kvtide.distributed import experts_span_replicas
 from kvtide.distributed.config_checks import resolve_parallel_config
 from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
 from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
@@ -280,6 +281,8 @@ class EngineArgs:
         kv_policy["kv_cache_groups"] = resolve_kv_cache_groups(self, hf_config, kv_policy, speculative, parallel,
                                                                kv_transfer)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if async_scheduling and self.async_scheduling is None and experts_span_replicas():
+            async_scheduling = False  # replicas sharing experts step in lockstep, one step at a time
         if speculative is not None and async_scheduling:
             if self.async_scheduling:
                 raise ValueError("--async-scheduling does not combine with speculative decoding yet (each step's "

@@ -7,6 +7,7 @@ import logging
 import os
 
 from kvtide.config import ParallelConfig
+from kvtide.distributed.parallel_state import experts_span_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def resolve_parallel_config(args, hf_config, device: str, quant_config, speculat
     threads = args.cpu_threads_per_rank
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"cpu_threads_per_rank must be an integer >= 1, got {threads!r}")
+    if experts_span_replicas():
+        _check_experts_across_replicas(args, world, speculative)
     if world > 1:
         _check_features(args, hf_config, arch, tp, pp, quant_config, speculative, is_moe, uses_mla)
         if backend != "ray":  # a Ray cluster's devices are checked when its workers are placed
@@ -97,6 +100,24 @@ def _check_features(args, hf_config, arch: str, tp: int, pp: int, quant_config, 
             "expert-load statistics of a pipeline of %d stages cover the first and last stages' layers only", pp)
     if args.kv_drop_policy is not None:
         raise ValueError("--kv-drop-policy does not combine with tensor or pipeline parallelism yet")
+
+
+def _check_experts_across_replicas(args, world: int, speculative) -> None:
+    """Data-parallel replicas sharing their experts (--enable-expert-parallel with
+    --data-parallel-size > 1) step in lockstep, one pass through the MoE layers each: a replica of
+    one rank, scheduling synchronously, with no second model (a draft's passes would not match)."""
+    if world > 1:
+        raise ValueError("--enable-expert-parallel with --data-parallel-size > 1 shares the experts between "
+                         "replicas of one rank each; with tensor or pipeline parallelism inside the replicas as "
+                         "well it is not built: use --tensor-parallel-size 1 --pipeline-parallel-size 1, or "
+                         "drop --data-parallel-size (the experts are then split within the replica)")
+    if args.async_scheduling:
+        raise ValueError("--async-scheduling does not combine with experts shared between data-parallel replicas "
+                         "(--enable-expert-parallel with --data-parallel-size > 1): they step in lockstep")
+    if speculative is not None and speculative.method != "ngram":
+        raise ValueError(f"speculative method {speculative.method!r} does not combine with experts shared between "
+                         f"data-parallel replicas: its extra passes would not match the other replicas' "
+                         f"exchanges; use method 'ngram'")
 
 
 def _check_speculative(speculative, tp: int, pp: int) -> None:

@@ -7,6 +7,9 @@ Ranks of a replica are laid out stage-major, as Megatron and vLLM do:
 
 The expert-parallel group of a replica is its TP group (vLLM's `--enable-expert-parallel` with data
 parallelism 1): the same ranks either split every expert's matrices (TP) or own whole experts (EP).
+With data parallelism and `--enable-expert-parallel`, the replicas' engine-core processes (each a
+replica of one rank) form one more group, `init_replica_expert_group`: the EP group then spans the
+replicas, each with its own batch, and they step in lockstep (engine/core_proc.py).
 
 Until `init_distributed` runs, every group is the trivial one: world size 1 creates no process
 group, and each collective returns its input untouched, so a single-device engine pays nothing.
@@ -166,6 +169,8 @@ class ParallelLayout:
 
 
 _LAYOUT = ParallelLayout()
+_REPLICA_EP: GroupCoordinator | None = None
+"""The expert-parallel group across data-parallel replicas, once this process joined one."""
 _WORLD = GroupCoordinator([0], 0, None, "world")
 _TP = GroupCoordinator([0], 0, None, "tp")
 _PP = GroupCoordinator([0], 0, None, "pp")
@@ -198,19 +203,43 @@ def init_distributed(layout: ParallelLayout, init_method: str, backend: str = "g
             _PP = GroupCoordinator(ranks, layout.rank, group, "pp")
 
 
+def init_replica_expert_group(dp_rank: int, dp_size: int, init_method: str, backend: str = "gloo",
+                              timeout_s: float = 600.0) -> None:
+    """Join the expert-parallel group of `dp_size` single-rank data-parallel replicas (before the
+    model is built: each replica then loads only its share of the experts)."""
+    global _LAYOUT, _REPLICA_EP
+    import datetime
+
+    dist.init_process_group(backend, init_method=init_method, world_size=dp_size, rank=dp_rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _REPLICA_EP = GroupCoordinator(list(range(dp_size)), dp_rank, dist.group.WORLD, "dp_ep")
+    _LAYOUT = ParallelLayout(enable_expert_parallel=True)  # the replica's own layout: one rank
+
+
+def experts_span_replicas() -> bool:
+    """Whether the EP group is the data-parallel replicas' (each with its own tokens) rather than
+    the replica's TP group (all with the same tokens)."""
+    return _REPLICA_EP is not None
+
+
+def get_replica_expert_group() -> GroupCoordinator | None:
+    return _REPLICA_EP
+
+
 def refuse_live_process_group() -> None:
     """Before building a replica in this process: the parallel layers read this process's groups,
     so a second engine beside a live multi-rank one would take its groups."""
-    if dist.is_initialized():
+    if dist.is_initialized() and _REPLICA_EP is None:
         raise ValueError("this process already runs an engine of several ranks (its process group is live); "
                          "shut that LLM down (llm.shutdown()) before building another one here")
 
 
 def destroy_distributed() -> None:
     """Leave the process group (a no-op at world size 1) and return to the trivial groups."""
-    global _LAYOUT, _WORLD, _TP, _PP
+    global _LAYOUT, _WORLD, _TP, _PP, _REPLICA_EP
     if dist.is_initialized():
         dist.destroy_process_group()
+    _REPLICA_EP = None
     _LAYOUT = ParallelLayout()
     _WORLD = GroupCoordinator([0], 0, None, "world")
     _TP = GroupCoordinator([0], 0, None, "tp")
@@ -234,8 +263,9 @@ def get_pp_group() -> GroupCoordinator:
 
 
 def get_ep_group() -> GroupCoordinator:
-    """The ranks that split a MoE layer's experts between them: the TP group."""
-    return _TP
+    """The ranks that split a MoE layer's experts between them: the TP group, or the data-parallel
+    replicas' group once joined."""
+    return _REPLICA_EP if _REPLICA_EP is not None else _TP
 
 
 def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:

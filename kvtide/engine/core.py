@@ -131,6 +131,21 @@ class EngineCore:
         self._pending = ahead
         return self._process(scheduler_output, future.result())
 
+    def step_in_lockstep(self) -> list[EngineCoreOutput]:
+        """A step of a replica whose experts are shared with the other data-parallel replicas
+        (engine/core_proc.py runs every replica's step together): exactly one pass through the MoE
+        layers, a dummy one (no tokens) when nothing here runs the model, so the experts' exchanges
+        match across replicas. Such replicas have one rank and schedule synchronously."""
+        outputs: list[EngineCoreOutput] = []
+        ran_model = False
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self._schedule()
+            outputs = self._process(scheduler_output, self.executor.execute(scheduler_output))
+            ran_model = not scheduler_output.is_empty
+        if not ran_model:
+            self.executor.execute_dummy_batch()
+        return outputs
+
     def _step_pipelined(self, queue: deque) -> list[EngineCoreOutput]:
         """Keep up to one micro-batch per pipeline stage in flight: launch (the first stage runs in
         this process, then hands on) until the stages are full or nothing more can run, then take

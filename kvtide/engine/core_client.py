@@ -121,10 +121,12 @@ class EngineCoreClient:
     async def start(cls, engine_args: Any, startup_timeout_s: float = 600.0,
                     engine_timeout_s: float | None = None, *, dp_rank: int | None = None,
                     cpu_threads: int | None = None, cpu_affinity: Sequence[int] | None = None,
-                    env: dict[str, str] | None = None) -> EngineCoreClient:
+                    env: dict[str, str] | None = None,
+                    expert_group: tuple[str, int] | None = None) -> EngineCoreClient:
         """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready.
         A data-parallel replica also gets its rank (for its log lines), its CPU share (cores and
-        torch threads) and extra environment (CUDA_VISIBLE_DEVICES)."""
+        torch threads), extra environment (CUDA_VISIBLE_DEVICES) and, when the replicas share their
+        experts, that group's (init method, size)."""
         context = zmq.asyncio.Context()
         tag = f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         base = os.path.join(tempfile.gettempdir(), tag)
@@ -148,6 +150,8 @@ class EngineCoreClient:
             command += ["--cpu-threads", str(cpu_threads)]
         if cpu_affinity:
             command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
+        if expert_group is not None:
+            command += ["--expert-group", expert_group[0], "--data-parallel-size", str(expert_group[1])]
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
         client = cls(proc, context, input_socket, output_socket, [input_path, output_path], engine_timeout_s)
         await client.wait_ready(startup_timeout_s)

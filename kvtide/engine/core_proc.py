@@ -37,6 +37,9 @@ logger = logging.getLogger("kvtide.engine.core_proc")
 
 _IDLE_POLL_MS = 1000
 """How long an idle loop blocks on the input socket before it checks that its parent lives."""
+_LOCKSTEP_IDLE_POLL_MS = 5
+"""The same for replicas in lockstep: a request arriving at one idle replica waits at most this long
+for the others to join its first step."""
 
 
 class EngineCoreProc:
@@ -68,6 +71,31 @@ class EngineCoreProc:
             if self.running and self.core.has_unfinished_requests():
                 self._step()
 
+    def run_in_lockstep(self, group) -> None:
+        """Experts shared across the data-parallel replicas (`group`, one process each): every
+        iteration the replicas agree whether any has work and whether any stops; if one has work all
+        step together (an idle one through its MoE layers with no tokens), and they stop together,
+        so no replica waits forever in an exchange another never enters."""
+        import torch
+
+        flags = torch.zeros(2, dtype=torch.int64)
+        while True:
+            busy = self.core.has_unfinished_requests()
+            if self.input_socket.poll(0 if busy else _LOCKSTEP_IDLE_POLL_MS):
+                self._handle_pending_messages()
+            elif not busy and not self._parent_alive():
+                logger.warning("parent process %d is gone; engine core exits", self.parent_pid)
+                self.running = False
+            if self.head_watch is not None and self.head_watch.check():
+                logger.warning("the data-parallel head disconnected; engine core exits")
+                self.running = False
+            flags[0], flags[1] = int(self.core.has_unfinished_requests()), int(not self.running)
+            group.all_reduce(flags)
+            if flags[1]:
+                return
+            if flags[0]:
+                self._step(self.core.step_in_lockstep)
+
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
 
@@ -79,9 +107,9 @@ class EngineCoreProc:
                 return
             self._handle(serialization.decode(data))
 
-    def _step(self) -> None:
+    def _step(self, step=None) -> None:
         started = time.time()
-        outputs = self.core.step()
+        outputs = (step or self.core.step)()
         scheduled = self._newly_scheduled(started)
         if outputs or scheduled:
             self._send(["outputs", outputs, scheduled])
@@ -163,6 +191,10 @@ class EngineCoreProc:
             return True
         if method == "num_steps":
             return self.core.num_steps
+        if method == "comm_stats":  # this process's collectives (a replica sharing experts: their exchanges)
+            from kvtide.distributed import COMM_STATS
+
+            return COMM_STATS.snapshot()
         raise ValueError(f"unknown utility method {method!r}")
 
 
@@ -236,7 +268,13 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
         output_socket.send(serialization.encode(["ready", ready]))
         proc = EngineCoreProc(core, input_socket, output_socket, parent_pid, head_watch)
         try:
-            proc.run()
+            from kvtide.distributed import get_replica_expert_group
+
+            lockstep = get_replica_expert_group()
+            if lockstep is None:
+                proc.run()
+            else:
+                proc.run_in_lockstep(lockstep)
         except Exception as e:
             logger.exception("engine core step failed")
             output_socket.send(serialization.encode(["fatal", f"{type(e).__name__}: {e}\n"
@@ -262,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-parallel-size", type=int, default=None, help="with --handshake: the head's")
     parser.add_argument("--handshake-timeout", type=float, default=600.0,
                         help="with --handshake: seconds to wait for the head")
+    parser.add_argument("--expert-group", default=None,
+                        help="torch.distributed init method of the replicas' shared expert-parallel group "
+                             "(with --dp-rank and --data-parallel-size)")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs fields as a JSON object")
     parser.add_argument("--dp-rank", type=int, default=None, help="data-parallel replica index (log lines)")
@@ -285,17 +326,24 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent_pid:
         return 1
     set_cpu_share(args.cpu_affinity, args.cpu_threads)
-    if args.handshake is None:
-        return run_engine_core(json.loads(args.engine_args), args.input, args.output, args.parent_pid)
-    from kvtide.engine.dp_remote import join_head
+    input_addr, output_addr, expert_group = args.input, args.output, args.expert_group
+    if args.handshake is not None:
+        from kvtide.engine.dp_remote import join_head
 
-    try:
-        input_addr, output_addr = join_head(args.handshake, args.dp_rank, args.data_parallel_size,
-                                            args.handshake_timeout)
-    except RuntimeError as e:
-        logger.error("%s", e)
-        return 1
-    return run_engine_core(json.loads(args.engine_args), input_addr, output_addr, args.parent_pid, remote=True)
+        try:
+            input_addr, output_addr, expert_group = join_head(args.handshake, args.dp_rank,
+                                                              args.data_parallel_size, args.handshake_timeout)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            return 1
+    if expert_group is not None:
+        if args.dp_rank is None or args.data_parallel_size is None:
+            parser.error("--expert-group needs --dp-rank and --data-parallel-size")
+        from kvtide.distributed import init_replica_expert_group
+
+        init_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group)
+    return run_engine_core(json.loads(args.engine_args), input_addr, output_addr, args.parent_pid,
+                           remote=args.handshake is not None)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,18 @@ AsyncLLM uses.
     └─────────────────────────────┘                        └───────────────────────────┘
 
 Each replica is a plain engine (its own EngineCoreClient, process, watchdog), started with
-data_parallel_size=1. With --data-parallel-size-local < --data-parallel-size the ranks after this
-node's join from headless nodes over TCP (dp_remote.py) and are driven the same way. The balancer (dp_balancer.py) picks a replica per user request: all its
-engine-core requests (n > 1 children) go there, and aborts and stops follow them. One reader task
-per replica merges the outputs into one stream. Utility calls are broadcast and their answers
-combined (stats summed). If any replica dies, the whole engine is dead: the same EngineDeadError,
-/health 503 and failed requests as a single engine's death.
+data_parallel_size=1; with --enable-expert-parallel the replicas' MoE layers form one
+expert-parallel group and the replicas step in lockstep (core_proc.py). With
+--data-parallel-size-local < --data-parallel-size the ranks after this node's join from headless
+nodes over TCP (dp_remote.py) and are driven the same way. The balancer (dp_balancer.py) picks a
+replica per user request: all its engine-core requests (n > 1 children) go there, and aborts and
+stops follow them. One reader task per replica merges the outputs into one stream. Utility calls
+are broadcast and their answers combined (stats summed). If any replica dies, the whole engine is
+dead: the same EngineDeadError, /health 503 and failed requests as a single engine's death.
 
 On CPU each replica is pinned to an even share of the usable cores and runs that many torch
-threads; on CUDA each gets its own GPUs (CUDA_VISIBLE_DEVICES). Replicas do not synchronize
-their steps: that only matters once MoE experts are sharded across DP ranks (vLLM's expert
-parallelism over DP, with dummy batches on idle ranks), which kvtide does not do.
+threads; on CUDA each gets its own GPUs (CUDA_VISIBLE_DEVICES). Replicas synchronize their steps
+only when they share experts (dummy batches on idle replicas, as vLLM's DP + EP).
 """
 
 from __future__ import annotations
@@ -156,6 +157,19 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def _expert_group_address(args: Any) -> str | None:
+    """With --enable-expert-parallel the replicas share their experts (vLLM's DP + EP): the
+    torch.distributed rendezvous of their group, on this node (the head) at a free port."""
+    if not args.enable_expert_parallel or args.data_parallel_size == 1:
+        return None
+    import socket
+
+    host = args.data_parallel_address or "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
 def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """One engine's view of N replicas: counts summed, KV usage over all blocks. Per-replica
     series (structured-output compile times, numbered per replica) keep replica 0's."""
@@ -238,13 +252,15 @@ class DPEngineCoreClient:
             logger.info("data-parallel engine %d: %s", p.rank,
                         p.env.get("CUDA_VISIBLE_DEVICES") and f"GPUs {p.env['CUDA_VISIBLE_DEVICES']}"
                         or f"CPUs {p.cpu_affinity or 'all'}, {p.cpu_threads or 'default'} torch threads")
+        expert_group = _expert_group_address(engine_args)
         listener = None
         if local < num:  # the other ranks join from their nodes (dp_remote.py); bound before any loads
             from kvtide.engine.dp_remote import RemoteReplicaListener
 
-            listener = RemoteReplicaListener(engine_args, range(local, num))
+            listener = RemoteReplicaListener(engine_args, range(local, num), expert_group)
         starts = [EngineCoreClient.start(replica_args, startup_timeout_s, engine_timeout_s, dp_rank=p.rank,
-                                         cpu_threads=p.cpu_threads, cpu_affinity=p.cpu_affinity, env=p.env)
+                                         cpu_threads=p.cpu_threads, cpu_affinity=p.cpu_affinity, env=p.env,
+                                         expert_group=(expert_group, num) if expert_group else None)
                   for p in placements]
         if listener is not None:
             starts.append(listener.accept(startup_timeout_s, engine_timeout_s))

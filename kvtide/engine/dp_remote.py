@@ -144,9 +144,11 @@ class RemoteReplicaListener:
     """The head's rendezvous: bound before the local replicas start (so nodes may join while they
     load), it welcomes each expected rank once, and closes when all have joined."""
 
-    def __init__(self, args: Any, ranks: range) -> None:
+    def __init__(self, args: Any, ranks: range, expert_group: str | None = None) -> None:
         self.args = args
         self.ranks = ranks
+        self.expert_group = expert_group
+        """The init method of the replicas' shared expert-parallel group, handed to each joiner."""
         self.address = rpc_address(args)
         self.host = args.data_parallel_address or "127.0.0.1"
         self._context = zmq.asyncio.Context()
@@ -233,7 +235,7 @@ class RemoteReplicaListener:
         output_socket.bind(f"tcp://{self.host}:*")
         addresses = [input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
                      output_socket.getsockopt_string(zmq.LAST_ENDPOINT)]
-        self._router.send_multipart([identity, serialization.encode(["welcome", *addresses])])
+        self._router.send_multipart([identity, serialization.encode(["welcome", *addresses, self.expert_group])])
         logger.info("data-parallel engine %d joined from %s", rank, node)
         client = EngineCoreClient(RemoteEngineProcess(rank, str(node), watch), context, input_socket,
                                   output_socket, [], engine_timeout_s)
@@ -257,8 +259,9 @@ def check_same_model(clients: list[EngineCoreClient]) -> None:
 
 
 # ---- a joining engine core -------------------------------------------------------------------------
-def join_head(address: str, rank: int, data_parallel_size: int, timeout_s: float) -> tuple[str, str]:
-    """An engine core on a headless node: say hello to the head, get this rank's two addresses."""
+def join_head(address: str, rank: int, data_parallel_size: int, timeout_s: float) -> tuple[str, str, str | None]:
+    """An engine core on a headless node: say hello to the head, get this rank's two addresses
+    (and the shared experts' group, if the replicas share theirs)."""
     context = zmq.Context.instance()
     dealer = _tcp_socket(context, zmq.DEALER)
     try:
@@ -271,7 +274,7 @@ def join_head(address: str, rank: int, data_parallel_size: int, timeout_s: float
         dealer.close(linger=0)
     if answer[0] != "welcome":
         raise RuntimeError(f"the data-parallel head at {address} refused rank {rank}: {answer[1]}")
-    return answer[1], answer[2]
+    return answer[1], answer[2], answer[3]
 
 
 def connect_data_sockets(context: zmq.Context, input_addr: str, output_addr: str):

@@ -33,5 +33,8 @@ class UniprocExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
+    def execute_dummy_batch(self) -> None:
+        self.runner.execute_dummy_batch()
+
     def shutdown(self) -> None:
         pass

@@ -319,6 +319,16 @@ class ModelRunner:
         return {"layers": [i for i, _ in self.moe_layers], "tokens": torch.stack(tokens).tolist(),
                 "dropped": torch.stack(dropped).tolist()}
 
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """Experts shared across data-parallel replicas, and nothing to run here this step while
+        another replica runs: every MoE layer still enters its exchanges, in forward order, with no
+        tokens (no attention, no KV cache, no sampling), so the others' all-to-alls complete."""
+        dtype = self.config.model_config.dtype
+        for _, moe in self.moe_layers:
+            moe.forward(torch.empty(0, moe.hidden_size, dtype=dtype, device=self.device),
+                        torch.empty(0, moe.num_experts, dtype=torch.float32, device=self.device))
+
     def _score_accumulator(self, md: AttentionMetadata) -> torch.Tensor | None:
         """The score drop policy's per-step attention mass, (num_reqs, max_blocks), which every
         attention layer adds to (kv_compression/score_dropping.py); None without the policy."""

@@ -66,12 +66,17 @@ class Dispatched:
 class AllToAllDispatcher:
     """Dispatch and combine for one MoE layer over `group` (vLLM's all2all "prepare / finalize")."""
 
-    def __init__(self, group: GroupCoordinator, placement: ExpertPlacement) -> None:
+    def __init__(self, group: GroupCoordinator, placement: ExpertPlacement, tokens_shared: bool = True) -> None:
         if placement.ep_size != group.world_size:
             raise ValueError(f"the expert placement is for {placement.ep_size} ranks, the EP group has "
                              f"{group.world_size}")
         self.group = group
         self.placement = placement
+        self.tokens_shared = tokens_shared
+        """True: every rank holds the same T rows (the EP group is a replica's TP group) and computes
+        its share. False: the EP group spans data-parallel replicas, each with its own batch (an
+        idle one with none): a rank dispatches all of its rows and keeps its combined output, no
+        gather; every rank enters every exchange, whatever its T."""
         self.rank = group.rank_in_group
         self.num_local = placement.num_local_experts
         self._keys, self._num_replicas = placement.slot_keys()
@@ -96,11 +101,11 @@ class AllToAllDispatcher:
         the rows this rank's experts compute, with their local ids."""
         num_tokens, top_k = topk_ids.shape
         n, me = self.group.world_size, self.rank
-        if num_tokens == 0:  # every rank has the same T: all skip the exchange
+        if num_tokens == 0 and self.tokens_shared:  # every rank has the same T: all skip the exchange
             nothing = torch.empty(0, 1, dtype=torch.int64, device=hidden_states.device)
             return Dispatched(hidden_states, nothing.float(), nothing, 0, 0, 0, nothing.view(0), [0] * n,
                               [0] * n, topk_weights, topk_ids)
-        start, size = split_evenly(num_tokens, n, me)
+        start, size = split_evenly(num_tokens, n, me) if self.tokens_shared else (0, num_tokens)
         device = hidden_states.device
         share_ids = topk_ids[start:start + size]
         keys, num_replicas = self._tables(device)
@@ -131,7 +136,7 @@ class AllToAllDispatcher:
         """The experts' (R, H) outputs for the received rows -> (T, H), every token's weighted sum
         over its choices, on every rank."""
         hidden = expert_out.shape[1]
-        if d.num_tokens == 0:
+        if d.num_tokens == 0 and self.tokens_shared:
             return expert_out.new_zeros(0, hidden)
         returned = expert_out.new_empty(sum(d.send_splits), hidden)
         self._all_to_all("combine", returned, expert_out, d.send_splits, d.recv_splits)
@@ -146,7 +151,7 @@ class AllToAllDispatcher:
         share_out = expert_out.new_zeros(size, hidden)
         for j in range(top_k):
             share_out += contrib[:, j]
-        return self._gather_shares(share_out, d.num_tokens)
+        return self._gather_shares(share_out, d.num_tokens) if self.tokens_shared else share_out
 
     def _gather_shares(self, share_out: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Every rank's share, in rank order: (T, H). Shares are padded to the largest one, since

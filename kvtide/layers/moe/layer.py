@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvtide.distributed import get_ep_group, get_layout, get_tp_group
+from kvtide.distributed import experts_span_replicas, get_ep_group, get_layout, get_tp_group
 from kvtide.layers.linear import default_weight_loader, divide, take
 from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
 from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
@@ -125,7 +125,8 @@ class FusedMoE(nn.Module):
         """The global ids of the experts this rank computes, by weight slot: all of them at one rank."""
         self.local_num_experts = len(self.local_experts)
         self._slot_of = {expert: slot for slot, expert in enumerate(self.local_experts)}
-        self.dispatcher = AllToAllDispatcher(ep_group, placement) if expert_parallel else None
+        self.dispatcher = AllToAllDispatcher(ep_group, placement, tokens_shared=not experts_span_replicas()) \
+            if expert_parallel else None
         """The token exchange of expert parallelism; None at one rank."""
         self._dispatched: Dispatched | None = None
         tp_group = get_tp_group()
