@@ -10,7 +10,7 @@ from kvtide.distributed.parallel_state import (
     get_ep_group,
     get_layout,
     get_pp_group,
-    get_replica_expert_group,
+    get_replica_sync_group,
     get_tp_group,
     get_world_group,
     init_distributed,
@@ -20,6 +20,6 @@ from kvtide.distributed.parallel_state import (
 )
 
 __all__ = ["COMM_STATS", "GroupCoordinator", "ParallelLayout", "destroy_distributed", "experts_span_replicas",
-           "get_ep_group", "get_layout", "get_pp_group", "get_replica_expert_group", "get_tp_group",
+           "get_ep_group", "get_layout", "get_pp_group", "get_replica_sync_group", "get_tp_group",
            "get_world_group", "init_distributed", "init_replica_expert_group", "refuse_live_process_group",
            "split_evenly"]

@@ -171,6 +171,7 @@ class ParallelLayout:
 _LAYOUT = ParallelLayout()
 _REPLICA_EP: GroupCoordinator | None = None
 """The expert-parallel group across data-parallel replicas, once this process joined one."""
+_REPLICA_SYNC: GroupCoordinator | None = None
 _WORLD = GroupCoordinator([0], 0, None, "world")
 _TP = GroupCoordinator([0], 0, None, "tp")
 _PP = GroupCoordinator([0], 0, None, "pp")
@@ -207,12 +208,16 @@ def init_replica_expert_group(dp_rank: int, dp_size: int, init_method: str, back
                               timeout_s: float = 600.0) -> None:
     """Join the expert-parallel group of `dp_size` single-rank data-parallel replicas (before the
     model is built: each replica then loads only its share of the experts)."""
-    global _LAYOUT, _REPLICA_EP
+    global _LAYOUT, _REPLICA_EP, _REPLICA_SYNC
     import datetime
 
     dist.init_process_group(backend, init_method=init_method, world_size=dp_size, rank=dp_rank,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _REPLICA_EP = GroupCoordinator(list(range(dp_size)), dp_rank, dist.group.WORLD, "dp_ep")
+    ranks = list(range(dp_size))
+    _REPLICA_EP = GroupCoordinator(ranks, dp_rank, dist.group.WORLD, "dp_ep")
+    # The replicas' step agreement is a few host integers: gloo, beside NCCL's device collectives.
+    sync = dist.group.WORLD if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+    _REPLICA_SYNC = GroupCoordinator(ranks, dp_rank, sync, "dp_sync")
     _LAYOUT = ParallelLayout(enable_expert_parallel=True)  # the replica's own layout: one rank
 
 
@@ -222,8 +227,9 @@ def experts_span_replicas() -> bool:
     return _REPLICA_EP is not None
 
 
-def get_replica_expert_group() -> GroupCoordinator | None:
-    return _REPLICA_EP
+def get_replica_sync_group() -> GroupCoordinator | None:
+    """The replicas sharing experts, on gloo (host tensors): their lockstep agreement."""
+    return _REPLICA_SYNC
 
 
 def refuse_live_process_group() -> None:
@@ -236,10 +242,10 @@ def refuse_live_process_group() -> None:
 
 def destroy_distributed() -> None:
     """Leave the process group (a no-op at world size 1) and return to the trivial groups."""
-    global _LAYOUT, _WORLD, _TP, _PP, _REPLICA_EP
+    global _LAYOUT, _WORLD, _TP, _PP, _REPLICA_EP, _REPLICA_SYNC
     if dist.is_initialized():
         dist.destroy_process_group()
-    _REPLICA_EP = None
+    _REPLICA_EP = _REPLICA_SYNC = None
     _LAYOUT = ParallelLayout()
     _WORLD = GroupCoordinator([0], 0, None, "world")
     _TP = GroupCoordinator([0], 0, None, "tp")

@@ -268,9 +268,9 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
         output_socket.send(serialization.encode(["ready", ready]))
         proc = EngineCoreProc(core, input_socket, output_socket, parent_pid, head_watch)
         try:
-            from kvtide.distributed import get_replica_expert_group
+            from kvtide.distributed import get_replica_sync_group
 
-            lockstep = get_replica_expert_group()
+            lockstep = get_replica_sync_group()
             if lockstep is None:
                 proc.run()
             else:
@@ -340,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dp_rank is None or args.data_parallel_size is None:
             parser.error("--expert-group needs --dp-rank and --data-parallel-size")
         from kvtide.distributed import init_replica_expert_group
+        from kvtide.engine.dp_client import uses_cuda
 
-        init_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group)
+        engine_args = json.loads(args.engine_args)
+        backend = "nccl" if uses_cuda(engine_args.get("device", "auto")) else "gloo"
+        init_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group, backend)
     return run_engine_core(json.loads(args.engine_args), input_addr, output_addr, args.parent_pid,
                            remote=args.handshake is not None)
 

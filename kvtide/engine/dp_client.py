@@ -99,7 +99,7 @@ def _usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _omp_threads() -> int | None:
+def omp_threads_env() -> int | None:
     with contextlib.suppress(ValueError):
         value = int(os.environ.get("OMP_NUM_THREADS", ""))
         if value >= 1:
@@ -107,7 +107,7 @@ def _omp_threads() -> int | None:
     return None
 
 
-def _uses_cuda(device: str) -> bool:
+def uses_cuda(device: str) -> bool:
     if device == "cpu":
         return False
     import torch
@@ -147,7 +147,7 @@ def plan_replicas(num_replicas: int, device: str, world_size: int = 1, cpu_threa
     return placements
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     import torch
 
     count = torch.cuda.device_count()
@@ -243,9 +243,9 @@ class DPEngineCoreClient:
         num = engine_args.data_parallel_size
         local = engine_args.data_parallel_size_local or num
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-        cuda = _uses_cuda(engine_args.device)
+        cuda = uses_cuda(engine_args.device)
         placements = plan_replicas(local, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
-                                   visible_gpus=_visible_gpus() if cuda else None, omp_threads=_omp_threads())
+                                   visible_gpus=visible_gpus() if cuda else None, omp_threads=omp_threads_env())
         replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None,
                                            data_parallel_address=None, data_parallel_rpc_port=None)
         for p in placements:

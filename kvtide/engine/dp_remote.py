@@ -295,14 +295,14 @@ def connect_data_sockets(context: zmq.Context, input_addr: str, output_addr: str
 def run_headless(engine_args: Any, startup_timeout_s: float = 600.0) -> int:
     """`kvtide serve MODEL --headless ...`: start this node's replicas, each joining the head; exit
     when all have exited (the head shut them down or went away). SIGINT/SIGTERM stop them."""
-    from kvtide.engine.dp_client import _omp_threads, _uses_cuda, _visible_gpus, plan_replicas
+    from kvtide.engine.dp_client import omp_threads_env, plan_replicas, uses_cuda, visible_gpus
 
     local = engine_args.data_parallel_size_local
     start = engine_args.data_parallel_start_rank
     world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-    cuda = _uses_cuda(engine_args.device)
+    cuda = uses_cuda(engine_args.device)
     placements = plan_replicas(local, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
-                               visible_gpus=_visible_gpus() if cuda else None, omp_threads=_omp_threads())
+                               visible_gpus=visible_gpus() if cuda else None, omp_threads=omp_threads_env())
     replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None, data_parallel_start_rank=0,
                                        data_parallel_address=None, data_parallel_rpc_port=None)
     args_json = json.dumps(asdict(replica_args))
