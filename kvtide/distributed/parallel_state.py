@@ -19,12 +19,15 @@ figures the benchmark reports per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -219,6 +222,8 @@ def init_replica_expert_group(dp_rank: int, dp_size: int, init_method: str, back
     sync = dist.group.WORLD if backend == "gloo" else dist.new_group(ranks, backend="gloo")
     _REPLICA_SYNC = GroupCoordinator(ranks, dp_rank, sync, "dp_sync")
     _LAYOUT = ParallelLayout(enable_expert_parallel=True)  # the replica's own layout: one rank
+    logger.info("joined the expert-parallel group of %d data-parallel replicas as rank %d (%s)", dp_size, dp_rank,
+                backend)
 
 
 def experts_span_replicas() -> bool:

@@ -7,6 +7,8 @@ headless node (`kvtide serve --headless --data-parallel-start-rank 1`, rank 1) j
     shutdown   stopping the head stops the headless node's engine and its launcher (exit 0)
     death      kill -9 of the remote engine core: /health 503 within seconds, the head exits
     refusal    a node that joins with the wrong rank is refused by name and exits non-zero
+    experts    with --enable-expert-parallel on a MoE model the two nodes' replicas share their
+               experts (the group's rendezvous handed over at the join): greedy equals world size 1
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def test_bad_multi_node_flags_are_refused_up_front():
 class Node:
     """A headless node's launcher process and its log."""
 
-    def __init__(self, model: str, rpc_port: int, start_rank: int = 1) -> None:
+    def __init__(self, model: str, rpc_port: int, start_rank: int = 1, extra: tuple[str, ...] = ()) -> None:
         self.log_path = tempfile.NamedTemporaryFile(prefix="kvtide-headless-", suffix=".log", delete=False).name
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         with open(self.log_path, "w") as log:
@@ -74,7 +76,7 @@ class Node:
                 [sys.executable, "-m", "kvtide.cli", "serve", model, "--headless", "--data-parallel-size", "2",
                  "--data-parallel-size-local", "1", "--data-parallel-start-rank", str(start_rank),
                  "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-                 "--max-model-len", "1024", *ENGINE_FLAGS],
+                 "--max-model-len", "1024", *ENGINE_FLAGS, *extra],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def log(self) -> str:
@@ -88,10 +90,10 @@ class Node:
         os.unlink(self.log_path)
 
 
-def _start_head(model: str, rpc_port: int):
+def _start_head(model: str, rpc_port: int, extra: tuple[str, ...] = ()):
     return start_server(model, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
                         "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-                        *ENGINE_FLAGS)
+                        *ENGINE_FLAGS, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -188,4 +190,33 @@ def test_a_node_with_a_wrong_rank_is_refused(llama_dir):
     finally:
         head.stop()
         os.unlink(log_path)
+        os.unlink(head.log_path)
+
+
+def test_replicas_on_two_nodes_share_their_experts(checkpoint_factory):
+    from kvtide import LLM
+
+    mixtral = checkpoint_factory("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=96, num_hidden_layers=2)
+    llm = LLM(mixtral, dtype="float32", max_model_len=1024, kv_cache_memory="4MiB", max_num_seqs=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    llm.shutdown()
+    reference = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+    rpc_port = free_port()
+    node = Node(mixtral, rpc_port, extra=("--enable-expert-parallel",))
+    head = _start_head(mixtral, rpc_port, extra=("--enable-expert-parallel",))
+    try:
+        wait_ready(head)
+        choices = asyncio.run(_complete_all(head, PROMPTS))
+        assert [(c["text"], c["finish_reason"]) for c in choices] == reference
+        assert all(e["requests"] > 0 for e in head.stats()["data_parallel"])
+        assert head.stop() == 0
+        node.proc.wait(30)
+        assert node.proc.returncode == 0, node.log()[-3000:]
+        assert "joined the expert-parallel group of 2 data-parallel replicas as rank 1" in node.log()
+        assert "joined the expert-parallel group of 2 data-parallel replicas as rank 0" in head.log()
+    finally:
+        head.stop()
+        node.stop()
         os.unlink(head.log_path)
