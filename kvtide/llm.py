@@ -9,6 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvtide.bootstrap import build_engine_core, load_tokenizer
+from kvtide.engine.dp_client import check_data_parallel_args
+from kvtide.engine.dp_llm_engine import DataParallelLLMEngine
 from kvtide.engine.input_processor import PromptType
 from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
@@ -18,15 +20,21 @@ from kvtide.sampling_params import BeamSearchParams, SamplingParams
 
 class LLM:
     """`LLM(model=..., dtype=..., max_model_len=..., block_size=16, kv_cache_memory=...,
-    max_num_seqs=..., max_num_batched_tokens=..., seed=...)`; any EngineArgs field is accepted."""
+    max_num_seqs=..., max_num_batched_tokens=..., seed=...)`; any EngineArgs field is accepted.
+    With data_parallel_size=N the prompts are spread over N engine-core processes (each with its
+    share of the cores), as the server's replicas."""
 
     def __init__(self, model: str = "demo", **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine: LLMEngine | DataParallelLLMEngine
         if self.engine_args.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.engine_args.data_parallel_size} is for serving only "
-                             f"(kvtide serve MODEL --data-parallel-size N): the offline LLM runs one engine in "
-                             f"this process. For offline data parallelism run one LLM per process, each on "
-                             f"its share of the prompts")
+            check_data_parallel_args(self.engine_args)
+            # N engine-core processes, as `kvtide serve --data-parallel-size N` runs them.
+            self.engine = DataParallelLLMEngine(self.engine_args)
+            self.tokenizer = self.engine.tokenizer
+            self.model_info = self.engine.llm.info
+            self._finalizer = weakref.finalize(self, self.engine.shutdown)
+            return
         core, info = build_engine_core(self.engine_args)
         self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
         self.model_info = info
@@ -34,8 +42,9 @@ class LLM:
         self._finalizer = weakref.finalize(self, core.shutdown)
 
     def shutdown(self) -> None:
-        """Stop the engine (a replica of several ranks: its worker processes and process group).
-        Also runs when the LLM is garbage collected or the interpreter exits."""
+        """Stop the engine (a replica of several ranks: its worker processes and process group; data
+        parallelism: every replica's process). Also runs when the LLM is garbage collected or the
+        interpreter exits."""
         self._finalizer()
 
     def get_tokenizer(self):
@@ -93,14 +102,14 @@ class LLM:
                         results[output.request_id] = output
                         bar.update(1)
         except BaseException:
-            self.engine.abort_request(list(self.engine.output_processor.requests))
+            self.engine.abort_unfinished()
             raise
         finally:
             bar.close()
         return [results[r] for r in request_ids]
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.core.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

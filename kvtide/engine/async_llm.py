@@ -168,12 +168,14 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA RequestOutputs of one request until it finishes.
+                       priority: int = 0, add_special_tokens: bool = True,
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs of one request until it finishes: DELTA (what each step added),
+        or FINAL_ONLY (one, whole, at the end: the offline LLM's).
 
         Leaving the iteration early (cancellation, an error, aclose) aborts the request in the
         engine, every sample of it."""
-        state = self._add_request(prompt, params, request_id, priority, add_special_tokens)
+        state = self._add_request(prompt, params, request_id, priority, add_special_tokens, output_kind)
         finished = False
         try:
             while True:
@@ -193,7 +195,7 @@ class AsyncLLM:
                 self._abort(request_id, "abort")
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int,
-                     add_special_tokens: bool) -> _RequestState:
+                     add_special_tokens: bool, output_kind: RequestOutputKind) -> _RequestState:
         if self.client.dead_error is not None:
             raise self.client.dead_error
         if not isinstance(params, SamplingParams):
@@ -206,7 +208,7 @@ class AsyncLLM:
         child_ids = [r.request_id for r in core_requests]
         state = _RequestState(request_id, child_ids, len(processed.prompt_token_ids), arrival)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
-                                          child_ids, RequestOutputKind.DELTA, arrival)
+                                          child_ids, output_kind, arrival)
         self._requests[request_id] = state
         for child_id in child_ids:
             self._child_to_parent[child_id] = request_id

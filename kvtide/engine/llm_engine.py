@@ -56,6 +56,12 @@ class LLMEngine:
         child_ids = self.output_processor.abort_requests(list(request_ids))
         self.core.abort_requests(child_ids)
 
+    def abort_unfinished(self) -> None:
+        self.abort_request(list(self.output_processor.requests))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
 

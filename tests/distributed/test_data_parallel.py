@@ -52,13 +52,6 @@ def test_bad_data_parallel_flags_are_refused_up_front():
     assert time.monotonic() - started < 10  # refused before any engine starts
 
 
-def test_offline_llm_refuses_data_parallel():
-    from kvtide import LLM
-
-    with pytest.raises(ValueError, match="serving only"):
-        LLM("demo", data_parallel_size=2)
-
-
 def test_replicas_split_the_cpus_and_gpus():
     cpu = plan_replicas(2, "cpu", cpus=[0, 1, 2, 3, 4])
     assert [p.cpu_affinity for p in cpu] == [[0, 1], [2, 3]] and [p.cpu_threads for p in cpu] == [2, 2]
