@@ -278,8 +278,7 @@ class EngineArgs:
         check_model_options(self, hf_config)
         parallel = resolve_parallel_config(self, hf_config, device, quant_config, speculative)
         kv_transfer = self._resolve_kv_transfer(parallel, kv_policy)
-        kv_policy["kv_cache_groups"] = resolve_kv_cache_groups(self, hf_config, kv_policy, speculative, parallel,
-                                                               kv_transfer)
+        kv_policy["kv_cache_groups"] = resolve_kv_cache_groups(self, hf_config, kv_policy, speculative, kv_transfer)
         async_scheduling = device == "cuda" if self.async_scheduling is None else self.async_scheduling
         if async_scheduling and self.async_scheduling is None and experts_span_replicas():
             async_scheduling = False  # replicas sharing experts step in lockstep, one step at a time

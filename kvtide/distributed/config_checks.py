@@ -98,8 +98,12 @@ def _check_features(args, hf_config, arch: str, tp: int, pp: int, quant_config, 
     if is_moe(hf_config) and pp > 2:
         logger.warning(
             "expert-load statistics of a pipeline of %d stages cover the first and last stages' layers only", pp)
-    if args.kv_drop_policy is not None:
-        raise ValueError("--kv-drop-policy does not combine with tensor or pipeline parallelism yet")
+    if args.kv_drop_policy is not None and pp > 1 and args.enable_chunked_prefill:
+        raise ValueError(f"--kv-drop-policy under pipeline parallelism (pipeline_parallel_size={pp}) needs "
+                         f"--no-enable-chunked-prefill: a prompt's next chunk is scheduled while the previous "
+                         f"one's attention scores are still in later stages, and each micro-batch's token "
+                         f"budget splits prompts differently from world size 1, so blocks would be dropped "
+                         f"at other points")
 
 
 def _check_experts_across_replicas(args, world: int, speculative) -> None:

@@ -16,7 +16,8 @@ layers and O(window) for the windowed ones.
 
 The runner sees one flat table per request, the groups' entries interleaved (entry i * G + g is
 group g's block for positions i * block_size ..), and each attention layer reads its group's
-columns (AttentionMetadata.groups).
+columns (AttentionMetadata.groups). Every rank of a replica gets the same flat tables; a pipeline
+stage binds slot tensors for its own layers only (stage_slots), so its block may hold fewer layers.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ def plan_kv_cache_groups(windows: list[int | None]) -> tuple[KVCacheGroup, ...] 
                  for window, layers in full_first for i in range(0, len(layers), size))
 
 
-def group_size(groups: tuple[KVCacheGroup, ...]) -> int:
-    """S: slot tensors in the cache, layers per block."""
-    return max(len(g.layers) for g in groups)
+def stage_slots(groups: tuple[KVCacheGroup, ...], layers: range) -> dict[int, tuple[int, int]]:
+    """Decoder layer -> (group, slot tensor) for the layers one rank holds (a pipeline stage's
+    `layers`). A group's layers on the stage take slots 0, 1, .. in order: layers of one group never
+    share a slot, and a block belongs to one group at a time, so a stage needs only as many slot
+    tensors as its largest share of one group (S at world size 1, where the slots are the layers'
+    places in their groups)."""
+    slots: dict[int, tuple[int, int]] = {}
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(i for i in group.layers if i in layers):
+            slots[layer] = (g, j)
+    return slots
 
 
 def blocks_held(groups: tuple[KVCacheGroup, ...], num_tokens: int, max_step_tokens: int, block_size: int) -> int:

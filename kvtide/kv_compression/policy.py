@@ -77,11 +77,13 @@ def resolve_kv_policy(args, hf_config, attention_backend: str) -> dict:
                 kv_window_tokens=window, kv_drop_policy=policy, kv_drop_budget=budget)
 
 
-def resolve_kv_cache_groups(args, hf_config, kv_policy: dict, speculative, parallel, kv_transfer):
+def resolve_kv_cache_groups(args, hf_config, kv_policy: dict, speculative, kv_transfer):
     """The layer groups of a model mixing full and windowed layers (kv_cache/hybrid.py), or None:
     one table per request. Where a part of the engine moves or reads whole single tables (a KV
-    connector, a draft model's own layers, the drop policy's scores, ranks beyond one), it keeps
-    one table, which is as correct and frees nothing; the log says why."""
+    connector, a draft model's own layers, the drop policy's scores), it keeps one table, which is
+    as correct and frees nothing; the log says why. Any tensor or pipeline layout takes the groups:
+    the scheduler's tables are world size 1's, and each rank binds slot tensors for the layers it
+    holds (kv_cache/hybrid.py stage_slots)."""
     from kvtide.kv_cache.hybrid import plan_kv_cache_groups
 
     if kv_policy["sliding_window"] is not None:  # every layer windowed: one table frees them all
@@ -93,8 +95,7 @@ def resolve_kv_cache_groups(args, hf_config, kv_policy: dict, speculative, paral
     reasons = {"--disable-hybrid-kv-cache-manager": args.disable_hybrid_kv_cache_manager,
                "a KV connector": kv_transfer is not None,
                "--kv-drop-policy": kv_policy["kv_drop_policy"] is not None,
-               "a draft model's layers": speculative is not None and speculative.method != "ngram",
-               "tensor or pipeline parallelism": parallel.world_size > 1}
+               "a draft model's layers": speculative is not None and speculative.method != "ngram"}
     why = [name for name, applies in reasons.items() if applies]
     if why:
         logger.info("full and sliding-window layers share one block table per request (%s): blocks outside "

@@ -16,7 +16,7 @@ import torch
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.distributed import get_pp_group, get_tp_group
-from kvtide.kv_cache.hybrid import group_size
+from kvtide.kv_cache.hybrid import stage_slots
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
@@ -165,12 +165,13 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes over every cached layer, in the cache's format (parameters of a
         quantized one included), so a byte budget holds as many more tokens as the format saves.
-        With layer groups a block holds one group's layers (kv_cache/hybrid.py)."""
+        With layer groups a block holds one group's layers, as many as this stage has of one group
+        (kv_cache/hybrid.py stage_slots; pipeline stages differ, the executor sizes by the largest)."""
         per_layer = [a.kv_bytes_per_token(self.kv_tensor_dtype) if has_own_cache_layout(a)
                      else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
                      for a in self._cached_attention_layers()]
         if self.kv_groups:
-            return self.block_size * group_size(self.kv_groups) * max(per_layer)
+            return self.block_size * (1 + max(j for _, j in self._group_slots().values())) * max(per_layer)
         return self.block_size * sum(per_layer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -204,22 +205,30 @@ class ModelRunner:
         return caches
 
     def _bind_grouped_kv_caches(self, layers: list, num_blocks: int) -> list[torch.Tensor]:
-        """Layer groups (kv_cache/hybrid.py): S slot tensors, layer j of every group bound to slot j;
-        a block id belongs to one group at a time, so the layers sharing a slot never share a block."""
-        groups = self.kv_groups
-        assert sorted(i for g in groups for i in g.layers) == list(range(len(layers))), "groups must cover the layers"
+        """Layer groups (kv_cache/hybrid.py): slot tensors for this stage's layers, the j-th of a
+        group's layers here bound to slot j (S slots at world size 1); a block id belongs to one
+        group at a time, so the layers sharing a slot never share a block."""
+        slots_of = self._group_slots()
+        start = getattr(self.model, "start_layer", 0)
+        assert sorted(slots_of) == list(range(start, start + len(layers))), "groups must cover the layers"
         shapes = {layer_cache_shape(a, self.attention_backend, num_blocks, self.block_size) for a in layers}
         assert len(shapes) == 1 and not any(has_own_cache_layout(a) for a in layers), \
             "layer groups need one cache shape in every layer"
         shape = shapes.pop()
-        slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device) for _ in range(group_size(groups))]
-        for g, group in enumerate(groups):
-            for j, index in enumerate(group.layers):
-                layers[index].kv_cache = slots[j]
-                layers[index].backend = self.attention_backend
-                layers[index].kv_group = g
-        self.num_kv_groups = len(groups)
+        slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
+                 for _ in range(1 + max(j for _, j in slots_of.values()))]
+        for i, attn in enumerate(layers):
+            g, j = slots_of[start + i]
+            attn.kv_cache = slots[j]
+            attn.backend = self.attention_backend
+            attn.kv_group = g
+        self.num_kv_groups = len(self.kv_groups)
         return slots
+
+    def _group_slots(self) -> dict[int, tuple[int, int]]:
+        """This rank's decoder layers (its pipeline stage's) -> (layer group, slot tensor)."""
+        start = getattr(self.model, "start_layer", 0)
+        return stage_slots(self.kv_groups, range(start, start + len(self.model.attention_layers())))
 
     def kv_block_io(self):
         """Whole-block access to every cached layer, for a KV connector (disagg/block_io.py)."""
@@ -260,6 +269,7 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
             return output
         if mass is not None:
+            get_tp_group().all_reduce(mass)  # each TP rank's heads' share (a no-op at tp 1)
             output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
                                     for i, req_id in enumerate(inputs.order)}
         self._prompt_logprobs(so, inputs, hidden, output)
@@ -292,7 +302,9 @@ class ModelRunner:
         """The step's forward pass. Under pipeline parallelism a stage after the first receives the
         previous stage's (hidden states, residual) and a stage before the last sends its own on and
         returns None; tensor-parallel ranks of one stage send and receive alike (their activations
-        are identical after each all-reduce)."""
+        are identical after each all-reduce). The score drop policy's attention mass travels the
+        same way, after the activations: each stage adds its layers to the running sum, in layer
+        order as at world size 1, and the last holds every layer's."""
         pp = get_pp_group()
         if pp.world_size == 1:
             return run_model(self.model, self.cuda_graphs, inputs.input_ids, inputs.positions, inputs.metadata)
@@ -303,10 +315,15 @@ class ModelRunner:
                                    device=self.device)
             pp.recv(received, pp.rank_in_group - 1)
             intermediate = (received[0], received[1])
+        mass = inputs.metadata.backend_data.get(MASS_KEY)
+        if mass is not None and not pp.is_first_rank:
+            pp.recv(mass, pp.rank_in_group - 1)
         out = self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate=intermediate)
         if pp.is_last_rank:
             return out
         pp.send(torch.stack(out), pp.rank_in_group + 1)
+        if mass is not None:
+            pp.send(mass, pp.rank_in_group + 1)
         return None
 
     def take_expert_load(self) -> dict | None:
