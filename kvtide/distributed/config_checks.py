@@ -126,9 +126,10 @@ def _check_experts_across_replicas(args, world: int, speculative) -> None:
 
 def _check_speculative(speculative, tp: int, pp: int) -> None:
     """Speculative decoding on several ranks (spec_decode/parallel.py): n-gram drafts under tensor
-    and pipeline parallelism; a draft model (sharded over the TP group) and layer skip under tensor
-    parallelism; Medusa heads (replicated blocks, vocabulary-parallel LM heads over the target's
-    full hidden states) under tensor parallelism. The rest is refused by name, with the reason."""
+    and pipeline parallelism; a draft model and an EAGLE / EAGLE-3 head (both sharded over the TP
+    group) and layer skip under tensor parallelism; Medusa heads (replicated blocks,
+    vocabulary-parallel LM heads over the target's full hidden states) under tensor parallelism.
+    The rest is refused by name, with the reason."""
     method = speculative.method
     if pp > 1 and method != "ngram":
         raise ValueError(
@@ -139,19 +140,29 @@ def _check_speculative(speculative, tp: int, pp: int) -> None:
                "a draft model would have to be split into the same stages" if method == "draft_model" else
                "the head reads the target's last hidden states, which only the last stage holds")
             + "; use method 'ngram', or tensor parallelism")
-    if tp > 1 and method in ("eagle", "eagle3"):
-        raise ValueError(f"speculative method {method!r} does not combine with tensor parallelism yet "
-                         f"(tensor_parallel_size={tp}): the EAGLE head's checkpoint is checked and loaded "
-                         f"at whole-tensor shapes, not as a rank's shard of its attention and MLP; use "
-                         f"'ngram', 'draft_model', 'layer_skip' or 'medusa'")
-    draft = speculative.draft_hf_config
-    if tp > 1 and method == "draft_model" and draft is not None:  # sharded over the target's TP group
+    if tp == 1 or method not in ("draft_model", "eagle", "eagle3"):
+        return
+    if method == "draft_model":  # sharded over the target's TP group
+        draft, what = speculative.draft_hf_config, "the draft model's"
+        if draft is None:
+            return
         heads = draft.num_attention_heads
         kv_heads = getattr(draft, "num_key_value_heads", None) or heads
-        if heads % tp or (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
-            raise ValueError(f"tensor_parallel_size={tp} must divide the draft model's attention heads "
-                             f"({heads}) and its KV heads ({kv_heads}) or be a multiple of them: the draft "
-                             f"is sharded over the same tensor-parallel ranks as the target")
+        inter = getattr(draft, "intermediate_size", None)
+    else:  # the head's decoder layer(s), sharded like the target's
+        from kvtide.spec_decode.heads.loading import read_head_config
+
+        head, what = read_head_config(speculative.model), "the EAGLE head's"
+        heads = head.get("num_attention_heads", 32)
+        kv_heads = head.get("num_key_value_heads") or heads
+        inter = head.get("intermediate_size")
+    if heads % tp or (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+        raise ValueError(f"tensor_parallel_size={tp} must divide {what} attention heads ({heads}) and its "
+                         f"KV heads ({kv_heads}) or be a multiple of them: it is sharded over the same "
+                         f"tensor-parallel ranks as the target")
+    if inter and inter % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {what} intermediate size ({inter}): its "
+                         f"MLP is sharded over the same tensor-parallel ranks as the target")
 
 
 def _check_tensor_parallel_experts(args, hf_config, arch: str, tp: int, quant_config) -> None:

@@ -85,21 +85,11 @@ class EngineCore:
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
-        self._check_parallel(core_request)
         if not self.beam_search.add_request(core_request):
             self.scheduler.add_request(Request(core_request))
 
     def check_request(self, core_request: EngineCoreRequest) -> None:
-        self._check_parallel(core_request)
         self.scheduler.check_request(Request(core_request))
-
-    def _check_parallel(self, core_request: EngineCoreRequest) -> None:
-        """Structured output's grammar lives in this process, beside rank 0; under pipeline
-        parallelism another process samples, so a constrained request is refused there."""
-        if core_request.sampling_params.structured_outputs is not None \
-                and self.config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("structured outputs do not combine with pipeline parallelism yet "
-                             "(pipeline_parallel_size > 1)")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         request_ids = self.beam_search.abort(request_ids)

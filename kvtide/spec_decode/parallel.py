@@ -6,8 +6,10 @@ requests' tokens (worker/model_runner.py). Speculation adds two points where cop
 
     propose   the drafts decide the step's shapes (tokens per request) on every rank, and are the
               first stage's inputs. An n-gram proposal is a function of the request's tokens and a
-              draft model's (sharded over the TP group, so its logits are all-gathered) is the same
-              on every rank; but only the rank beside the engine core cuts drafts by the grammar.
+              draft model's or a head's (sharded over the TP group, so its logits are all-gathered)
+              is the same on every rank; but under tensor parallelism alone only the rank beside
+              the engine core cuts drafts by the grammar (under pipeline parallelism every rank
+              takes the cut computed ahead in the engine core: structured_output/step.py).
               TP rank 0's drafts are therefore broadcast over the TP group (one int64 per draft slot).
     verify    every rank of the sampling stage holds the same logits and verifies; the accepted
               run decides num_computed_tokens' rollback, which the scheduler takes from the output
@@ -27,8 +29,11 @@ The proposers under tensor parallelism:
     layer_skip   the target's own first layers and LM head, sharded as the target is.
     medusa       replicated residual blocks and vocabulary-parallel LM heads over the target's hidden
                  states, which are whole on every rank after the last all-reduce.
-    eagle(3)     refused (distributed/config_checks.py): the head's checkpoint is checked and loaded
-                 at whole-tensor shapes, not as a rank's shard of its attention and MLP.
+    eagle(3)     the head's decoder layer(s) sharded over the TP group like the draft model
+                 (QKV/column/row-parallel, its own table and LM head vocabulary-parallel, EAGLE-3's
+                 draft-to-target map whole), its fc replicated; it reads the target's hidden states
+                 (EAGLE-3: three residual-stream states), whole on every rank, and its logits are
+                 all-gathered, so every rank's chain steps run in lockstep on the same drafts.
 
 Under pipeline parallelism only n-gram drafts run: a draft model, the early-exit layers or a head
 would have to produce the drafts where the first stage needs them as inputs, from weights or hidden

@@ -7,5 +7,6 @@ choice, EBNF, structural tag), compiled by xgrammar.
     scheduler  grammar.py      a matcher per request: accepts each emitted token, offers
                                jump-forward tokens (the continuation the grammar forces)
     runner     step.py         per step, the token bitmask of the constrained rows (drafts
-                               checked against the grammar) applied to their logits in place
+                               checked against the grammar) applied to their logits in place;
+                               under pipeline parallelism computed ahead in the core (StepBitmask)
 """

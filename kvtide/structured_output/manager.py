@@ -116,12 +116,16 @@ class StructuredOutputManager:
     # ---- per step ------------------------------------------------------------------------------
     def grammar_step(self, sampling_requests: list):
         """The runner's view of this step's constrained rows (None when there are none)."""
-        grammars = {r.request_id: r.grammar for r in sampling_requests if r.grammar is not None}
+        grammars, token_ids = {}, {}
+        for r in sampling_requests:
+            if r.grammar is not None:
+                grammars[r.request_id] = r.grammar
+                token_ids[r.request_id] = r.all_token_ids
         if not grammars:
             return None
         from kvtide.structured_output.step import GrammarStep
 
-        return GrammarStep(grammars, self.vocab_size)
+        return GrammarStep(grammars, self.vocab_size, token_ids)
 
     def jump_forward_for(self, request) -> bool:
         """Jump-forward applies unless off, or the request wants logprobs (each token needs its

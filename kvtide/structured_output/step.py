@@ -5,12 +5,17 @@ checks their drafts against the grammar before the forward pass (cutting a deter
 the first token the grammar forbids) and fills their token bitmasks after launching it (on CUDA
 the fill overlaps the forward pass). Only the constrained rows are masked: the others pay
 nothing.
+
+Under pipeline parallelism the last stage samples in another process, away from the matchers:
+there the engine core computes the step ahead (`GrammarStep.ahead`: the same draft check and
+masks, before the step) and the result, a StepBitmask, travels with the scheduler output.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +27,9 @@ class GrammarStep:
     grammars: dict
     """request id -> RequestGrammar, for the constrained requests sampling this step."""
     vocab_size: int
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> its tokens as the scheduler holds them (what the runner will hold this step):
+    for proposing a constrained request's drafts ahead of the step (`ahead`)."""
     _draft_masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def check_drafts(self, drafts: dict[str, list[int]], keep: set[str]) -> dict[str, list[int]]:
@@ -64,13 +72,91 @@ class GrammarStep:
                 elif grammar.fill_bitmask(bitmask, row):
                     indices.append(row)
             row += num_rows
-        if not indices:
+        if indices:
+            apply_bitmask(logits, bitmask, indices)
+
+    def ahead(self, num_draft_tokens: dict[str, int],
+              propose: Callable[[list[int], int], list[int]] | None) -> StepBitmask:
+        """This step's draft cut and masks computed now, for a rank without the matchers: each
+        constrained request's drafts (`propose(its tokens, its draft slots)`, the proposer every rank
+        runs) tried on its matcher and cut as `check_drafts` cuts them, then its rows filled as
+        `apply` fills them. Deterministic drafts only (none is kept whole)."""
+        import xgrammar as xgr
+
+        drafts: dict[str, list[int]] = {}
+        masks: dict[str, torch.Tensor] = {}
+        for req_id, grammar in self.grammars.items():
+            k = num_draft_tokens.get(req_id, 0)
+            tokens = propose(self.token_ids[req_id], k) if k and propose is not None else []
+            if tokens:
+                rows = xgr.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+                num_ok = grammar.check_drafts(tokens, rows, 0)
+                drafts[req_id], masks[req_id] = tokens[:num_ok], rows[:num_ok + 1]
+                continue
+            drafts[req_id] = []
+            row = xgr.allocate_token_bitmask(1, self.vocab_size)
+            if grammar.fill_bitmask(row, 0):
+                masks[req_id] = row
+        return StepBitmask(drafts, masks)
+
+
+@dataclass
+class StepBitmask:
+    """A GrammarStep computed ahead in the engine core (`GrammarStep.ahead`), for the ranks of a
+    pipeline: the same interface to the runner, and plain bytes on the wire."""
+
+    drafts: dict[str, list[int]]
+    """Every constrained request sampling this step -> its drafts after the grammar's cut."""
+    masks: dict[str, torch.Tensor]
+    """request id -> its bitmask rows, one per token it may emit; absent: nothing to mask."""
+
+    def check_drafts(self, drafts: dict[str, list[int]], keep: set[str]) -> dict[str, list[int]]:
+        """The constrained requests' drafts as the engine core cut them (every rank proposed the
+        same ones from the same tokens); the others' as proposed."""
+        checked = {req_id: tokens for req_id, tokens in drafts.items() if req_id not in self.drafts}
+        checked.update((req_id, tokens) for req_id, tokens in self.drafts.items() if tokens)
+        return checked
+
+    def apply(self, logits: torch.Tensor, row_layout: list[tuple[str, int]]) -> None:
+        """As GrammarStep.apply, from the rows computed ahead."""
+        if not self.masks:
             return
-        if logits.device.type == "cpu" and sys.byteorder == "little":
-            apply_bitmask_cpu(logits, bitmask, indices)
-        else:
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                            indices=indices)
+        bitmask = None
+        indices: list[int] = []
+        row = 0
+        for req_id, num_rows in row_layout:
+            masks = self.masks.get(req_id)
+            if masks is not None:
+                if masks.shape[0] != num_rows:
+                    raise RuntimeError(f"request {req_id}: {masks.shape[0]} grammar mask rows computed ahead "
+                                       f"for {num_rows} logits rows")
+                if bitmask is None:
+                    bitmask = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32)
+                bitmask[row:row + num_rows] = masks
+                indices.extend(range(row, row + num_rows))
+            row += num_rows
+        if indices:
+            apply_bitmask(logits, bitmask, indices)
+
+    def to_wire(self) -> dict:
+        return {"drafts": self.drafts,
+                "masks": {req_id: [m.shape[0], m.numpy().tobytes()] for req_id, m in self.masks.items()}}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> StepBitmask:
+        masks = {req_id: torch.from_numpy(np.frombuffer(data, dtype=np.int32).reshape(rows, -1).copy())
+                 for req_id, (rows, data) in wire["masks"].items()}
+        return cls({req_id: list(tokens) for req_id, tokens in wire["drafts"].items()}, masks)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
+    """Mask rows `indices` of `logits` in place by `bitmask` (one row per logits row)."""
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        apply_bitmask_cpu(logits, bitmask, indices)
+    else:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
 
 
 def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:

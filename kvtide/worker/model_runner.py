@@ -425,7 +425,8 @@ class ModelRunner:
 
 def receive_sampled_tokens(states: list[CachedRequestState]) -> None:
     """The tensor-parallel ranks of the sampling stage all sample from the same all-gathered
-    logits, but only the first applies structured output's masks (the grammar lives beside it):
+    logits, but under tensor parallelism alone only the first applies structured output's masks
+    (the matchers live beside it; under pipeline parallelism every rank gets them computed ahead):
     it broadcasts its tokens and the others overwrite their last token with them. A no-op without
     tensor parallelism. (Earlier pipeline stages get the tokens with the requests' next step:
     CachedRequestData.sampled_token_ids.)"""

@@ -1,6 +1,8 @@
 """The multiprocess executor: one replica of tensor_parallel_size x pipeline_parallel_size ranks on
-this node. Rank 0 runs in the engine core's own process (it applies structured output's grammar,
-which lives there); ranks 1.. are spawned worker processes (worker.py). Each step the scheduler's
+this node. Rank 0 runs in the engine core's own process, beside structured output's matchers (it
+applies them under tensor parallelism; under pipeline parallelism the last stage samples, and the
+step's drafts and token bitmask are computed here ahead of it, `GrammarAhead`); ranks 1.. are
+spawned worker processes (worker.py). Each step the scheduler's
 output goes to every worker as msgpack over ZMQ, every rank runs the same step (collectives in
 the same order), and the output rank's ModelRunnerOutput comes back: rank 0's own under tensor
 parallelism, the last stage's over ZMQ under pipeline parallelism.
@@ -79,6 +81,7 @@ class MultiprocExecutor:
         API side reports the engine dead at once, even while idle); None: the next step raises."""
         self._closing = threading.Event()
         self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
+        self.grammar_ahead = GrammarAhead(config) if config.parallel_config.pipeline_parallel_size > 1 else None
         try:
             self._gather("prepared", STARTUP_TIMEOUT_S)
             init_rank(config, 0, init_method)
@@ -127,6 +130,8 @@ class MultiprocExecutor:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
         scheduler_output = self.tokens.attach(scheduler_output)
+        if self.grammar_ahead is not None:
+            scheduler_output = self.grammar_ahead.attach(scheduler_output)
         self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
         try:
             output = self.runner.execute(scheduler_output)
@@ -256,6 +261,30 @@ class SampledTokenRelay:
         cached = [dataclasses.replace(c, sampled_token_ids=self._pending.pop(c.request_id))
                   if c.request_id in self._pending else c for c in so.scheduled_cached_reqs]
         return dataclasses.replace(so, scheduled_cached_reqs=cached)
+
+
+class GrammarAhead:
+    """Structured output under pipeline parallelism: the last stage samples, in another process than
+    the matchers. Before each step the engine core cuts the constrained requests' drafts and fills
+    their token bitmask rows (structured_output/step.py `GrammarStep.ahead`, the same calls the
+    runner makes at world size 1), and every rank takes that StepBitmask with the step. The drafts
+    are n-gram ones, the only method pipelines run: proposed here from the scheduler's tokens, which
+    are every stage's tokens (no step is scheduled ahead of a constrained request's token), so they
+    equal what each rank proposes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative_config
+        self._propose = None
+        if spec is not None:
+            from kvtide.spec_decode.ngram import NgramProposer
+
+            assert spec.method == "ngram", "pipeline parallelism runs n-gram drafts only"
+            self._propose = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max).propose_one
+
+    def attach(self, so: SchedulerOutput) -> SchedulerOutput:
+        if so.grammar is None:
+            return so
+        return dataclasses.replace(so, grammar=so.grammar.ahead(so.num_draft_tokens, self._propose))
 
 
 def merge_expert_load(first: dict | None, last: dict | None) -> dict | None:

@@ -1,8 +1,9 @@
 """The Ray executor: one replica of tensor_parallel_size x pipeline_parallel_size ranks placed on a
 Ray cluster, so a replica can span nodes. Same contract as the multiprocess executor: rank 0 runs
-in the engine core's own process (structured output's grammar lives there) and ranks 1.. are Ray
-actors, each wrapping a `Worker` and speaking worker.py's messages as msgpack bytes (Ray carries
-the bytes; no pickled object of ours crosses).
+in the engine core's own process (beside structured output's matchers; under pipeline parallelism
+each step's drafts and token bitmask are computed there ahead of it and travel with it) and ranks
+1.. are Ray actors, each wrapping a `Worker` and speaking worker.py's messages as msgpack bytes (Ray
+carries the bytes; no pickled object of ours crosses).
 
 The replica gets a placement group of world_size bundles ({"CPU": threads_per_rank} on CPU,
 {"GPU": 1} on CUDA), rank r on bundle r; bundle 0 is pinned to the driver's node and reserves rank
@@ -42,7 +43,12 @@ from kvtide.distributed import COMM_STATS, destroy_distributed
 from kvtide.engine import serialization
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.worker import wire
-from kvtide.worker.multiproc_executor import STARTUP_TIMEOUT_S, SampledTokenRelay, WorkerDiedError
+from kvtide.worker.multiproc_executor import (
+    STARTUP_TIMEOUT_S,
+    GrammarAhead,
+    SampledTokenRelay,
+    WorkerDiedError,
+)
 from kvtide.worker.worker import engine_config_from_args, free_port, init_rank, output_rank, threads_per_rank
 
 logger = logging.getLogger(__name__)
@@ -242,6 +248,8 @@ class RayExecutor:
         self._affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
         """Pipeline parallelism: the last stage's sampled tokens, relayed to the earlier stages."""
+        self.grammar_ahead = GrammarAhead(config) if config.parallel_config.pipeline_parallel_size > 1 else None
+        """Pipeline parallelism: structured output's drafts and masks, computed before each step."""
         self._monitor: threading.Thread | None = None
         strategy = (placement_strategy or os.environ.get("KVTIDE_RAY_PLACEMENT_STRATEGY") or "PACK").upper()
         if strategy not in PLACEMENT_STRATEGIES:
@@ -342,6 +350,8 @@ class RayExecutor:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
         scheduler_output = self.tokens.attach(scheduler_output)
+        if self.grammar_ahead is not None:
+            scheduler_output = self.grammar_ahead.attach(scheduler_output)
         refs = self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
         try:
             output = self.runner.execute(scheduler_output)

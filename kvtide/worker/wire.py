@@ -2,9 +2,10 @@
 builtins only on the wire, so no rank ever unpickles bytes it received. Messages travel in the
 engine's envelope (engine/serialization.py `encode`/`decode`: a list whose first element names it).
 
-A structured-output step's grammar (matchers living in the engine core) does not cross: the rank
-in the engine-core process applies it, and the other ranks take its sampled tokens
-(model_runner.receive_sampled_tokens).
+A structured-output step's matchers (a GrammarStep) live in the engine core and do not cross:
+under tensor parallelism alone the rank there applies them and the others take its sampled tokens
+(model_runner.receive_sampled_tokens); under pipeline parallelism the executor turns them into a
+StepBitmask before the step (drafts cut, bitmask rows), which crosses as bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 
 from kvtide.engine.serialization import params_from_wire, params_to_wire
 from kvtide.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvtide.structured_output.step import StepBitmask
 
 _encoder = msgspec.msgpack.Encoder()
 _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
@@ -29,6 +31,7 @@ def scheduler_output_to_wire(so: SchedulerOutput) -> dict[str, Any]:
     wire["scheduled_cached_reqs"] = [dataclasses.asdict(c) for c in so.scheduled_cached_reqs]
     wire["finished_req_ids"] = sorted(so.finished_req_ids)
     wire["sampling_req_ids"] = sorted(so.sampling_req_ids)
+    wire["grammar"] = so.grammar.to_wire() if isinstance(so.grammar, StepBitmask) else None
     return wire
 
 
@@ -40,6 +43,7 @@ def scheduler_output_from_wire(wire: dict[str, Any]) -> SchedulerOutput:
     fields["finished_req_ids"] = set(wire["finished_req_ids"])
     fields["sampling_req_ids"] = set(wire["sampling_req_ids"])
     fields["block_copies"] = [tuple(pair) for pair in wire["block_copies"]]
+    fields["grammar"] = StepBitmask.from_wire(wire["grammar"]) if wire.get("grammar") is not None else None
     return SchedulerOutput(**fields)
 
 

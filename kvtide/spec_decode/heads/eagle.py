@@ -32,9 +32,16 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
+from kvtide.distributed import get_tp_group
 from kvtide.layers.attention import Attention
 from kvtide.layers.embedding import LMHead, VocabEmbedding
-from kvtide.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from kvtide.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from kvtide.layers.norm import RMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
 from kvtide.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -58,8 +65,9 @@ class Eagle3DecoderLayer(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = LlamaAttention(config, 0, max_model_len, dtype, bias, bias, False, rotary)
         attn = self.self_attn
-        attn.qkv_proj = QKVParallelLinear(2 * config.hidden_size, attn.head_dim, attn.num_heads, attn.num_kv_heads,
-                                          bias=bias)
+        heads = config.num_attention_heads  # the whole layer's: QKVParallelLinear takes this rank's share
+        attn.qkv_proj = QKVParallelLinear(2 * config.hidden_size, attn.head_dim, heads,
+                                          getattr(config, "num_key_value_heads", None) or heads, bias=bias)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -186,25 +194,30 @@ class EagleDraftModel(nn.Module):
 
     def checkpoint_layout(self) -> dict[str, tuple[str, object, tuple[int, ...]]]:
         """Checkpoint tensor name -> (parameter name, shard id, shape) for every parameter of this head,
-        fused projections split back into their public q/k/v and gate/up names."""
+        fused projections split back into their public q/k/v and gate/up names. Shapes are the
+        checkpoint's whole tensors: under tensor parallelism each parameter holds a rank's shard
+        of one (the parallel layers' weight loaders cut it), so they are derived from the config."""
         unfused: dict[str, list[tuple[str, object]]] = {}
         for ckpt_name, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
             unfused.setdefault(fused, []).append((ckpt_name, shard))
         modules = dict(self.named_modules())
+        tp = get_tp_group().world_size
+        heads = self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
         layout: dict[str, tuple[str, object, tuple[int, ...]]] = {}
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             parent, _, short = module_name.rpartition(".")
-            if short not in unfused:
-                layout[name] = (name, None, tuple(param.shape))
-                continue
             module = modules[module_name]
+            if short not in unfused:
+                layout[name] = (name, None, _whole_shape(module, param, tp))
+                continue
             for ckpt_name, shard in unfused[short]:
                 if isinstance(module, QKVParallelLinear):
-                    rows = module.q_size if shard == "q" else module.kv_size
+                    rows = (heads if shard == "q" else kv_heads) * module.head_dim
                 else:
                     assert isinstance(module, MergedColumnParallelLinear) and isinstance(shard, int)
-                    rows = module.output_sizes[shard]
+                    rows = module.output_sizes[shard] * tp
                 layout[f"{parent}.{ckpt_name}.{leaf}"] = (name, shard, (rows, *param.shape[1:]))
         return layout
 
@@ -239,12 +252,9 @@ class EagleDraftModel(nn.Module):
                 raise ValueError(f"{what}: the target model ({type(target_model).__name__}) has no {attr} to share")
 
         own_embedding = "embed_tokens.weight" in tensors
-        if own_embedding:  # EAGLE trains with the target's embedding frozen: keep one copy when it is that one
-            target_embed = target_model.embed_tokens.weight
-            ckpt_embed = tensors["embed_tokens.weight"]
-            if ckpt_embed.shape == target_embed.shape and torch.equal(ckpt_embed.to(target_embed), target_embed):
-                del tensors["embed_tokens.weight"]
-                own_embedding = False
+        if own_embedding and _same_table(tensors["embed_tokens.weight"], target_model.embed_tokens):
+            del tensors["embed_tokens.weight"]  # EAGLE trains with the target's embedding frozen: keep one copy
+            own_embedding = False
         own_lm_head = "lm_head.weight" in tensors
         with construction(dtype, device):
             model = cls(config, method, max_model_len, dtype, target_vocab, own_embedding, own_lm_head,
@@ -266,6 +276,33 @@ class EagleDraftModel(nn.Module):
         if method == "eagle3" and "d2t" in tensors:
             _load_d2t(model, tensors["d2t"], target_vocab, what)
         return model.eval()
+
+
+def _whole_shape(module: nn.Module, param: nn.Parameter, tp: int) -> tuple[int, ...]:
+    """The checkpoint shape of an unfused parameter that may hold a rank's shard of it."""
+    shape = tuple(param.shape)
+    if isinstance(module, VocabEmbedding):  # LMHead too: rows padded to a multiple of tp, split
+        return (module.vocab_size, *shape[1:])
+    if isinstance(module, RowParallelLinear) and param is module.weight:
+        return (shape[0], shape[1] * tp)
+    if isinstance(module, ColumnParallelLinear):
+        return (shape[0] * tp, *shape[1:])
+    return shape
+
+
+def _same_table(table: torch.Tensor, embedding: VocabEmbedding) -> bool:
+    """Whether a checkpoint's (vocab, hidden) table is the target's embedding, as every rank of the
+    TP group sees it: each compares its own rows, and they agree (one all-reduce at load), so all
+    share the target's table or all keep their own."""
+    weight = embedding.weight
+    rows = embedding.rows_here
+    same = tuple(table.shape) == (embedding.vocab_size, weight.shape[1]) and torch.equal(
+        table[embedding.vocab_start:embedding.vocab_start + rows].to(weight), weight[:rows])
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return same
+    votes = torch.tensor([int(same)], dtype=torch.int64, device=weight.device)
+    return int(tp.all_reduce(votes).item()) == tp.world_size
 
 
 def eagle3_aux_layer_ids(config, target_hf_config) -> tuple[int, ...]:
