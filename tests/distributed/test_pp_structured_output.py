@@ -13,16 +13,13 @@ the same tokens. A grammar that does not compile is still a ValueError.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import defaultdict
 
 import jsonschema
 import pytest
-from safetensors.torch import load_file, save_file
 
 from kvtide import LLM, SamplingParams
-from kvtide.models.demo import make_random_checkpoint
 from kvtide.sampling_params import StructuredOutputsParams
 from kvtide.structured_output.step import GrammarStep
 
@@ -131,7 +128,6 @@ def test_mixed_batch_equals_world_size_1(llama_dir, gate_token, mixed_reference,
     check_valid(got, gate_token, llama_dir)
 
 
-
 # ---- n-gram drafts: the grammar's cut, computed ahead ---------------------------------------------
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False, "disable_by_batch_size": 64}
@@ -143,21 +139,6 @@ LOOP_PATTERNS = ["[a-z]+", "[a-m ]+"]
 """Each forbids some of the drafts its request's n-gram proposer takes from the prompt."""
 LOOP_PARAMS = [constrained(32, regex=LOOP_PATTERNS[0]), constrained(32, regex=LOOP_PATTERNS[1]),
                SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
-
-
-@pytest.fixture(scope="module")
-def looping_dir(tmp_path_factory) -> str:
-    """Seed 3's tiny Llama with the attention output of layers 0-2 zeroed: greedy decoding falls
-    into short loops, which the n-gram proposer predicts (and the grammar partly forbids)."""
-    path = make_random_checkpoint(str(tmp_path_factory.mktemp("looping-llama")), seed=3)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    for name in tensors:
-        match = re.search(r"layers\.(\d+)\.self_attn\.o_proj\.weight", name)
-        if match and int(match.group(1)) < 3:
-            tensors[name] = tensors[name] * 0.0
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
 
 
 def run_ngram(model_dir: str, spec: dict | None, monkeypatch, **parallel) -> dict:

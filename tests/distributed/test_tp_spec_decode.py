@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kvtide import LLM, SamplingParams
 from kvtide.engine_args import EngineArgs
-from kvtide.models.demo import make_random_checkpoint
 from kvtide.sampling_params import StructuredOutputsParams
 
 MAX_TOKENS = 16
@@ -63,20 +61,6 @@ def make_llm(model_dir: str, spec: dict | None = None, **kwargs) -> LLM:
         spec = {"disable_by_batch_size": 64, **spec}
     return LLM(model_dir, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="4MiB",
                enable_prefix_caching=False, speculative_config=spec, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def looping_dir(tmp_path_factory) -> str:
-    """Seed 3's tiny Llama with the attention output of layers 0-2 zeroed (layer 3 attends)."""
-    path = make_random_checkpoint(str(tmp_path_factory.mktemp("looping-llama")), seed=3)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    for name in tensors:
-        match = re.search(r"layers\.(\d+)\.self_attn\.o_proj\.weight", name)
-        if match and int(match.group(1)) < 3:
-            tensors[name] = tensors[name] * 0.0
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")
