@@ -151,6 +151,9 @@ def profile_generate(adapter, prompts: list[list[int]], output_lens: list[int], 
 
     from torch.profiler import ProfilerActivity, profile
 
+    # The timed run left these prompts' blocks in the prefix cache: without a reset, the profiled
+    # run would skip their prefill and show a decode-only step.
+    adapter.llm.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         adapter.generate(prompts, output_lens)

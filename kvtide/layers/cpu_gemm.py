@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 F_LINEAR = "f.linear"
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 """Bumped when the candidates or the measurement change, so older verdicts are not reused."""
 
 
@@ -493,6 +493,9 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
             planned += 1
     logger.info("GEMM: %d of %d CPU linear layers use a packed weight (%.0f MiB of copies)", planned,
                 len(layers), copies / 2**20 if planned else 0)
+    fused = sum(m.use_expert_panels(choices) for m in model.modules() if hasattr(m, "use_expert_panels"))
+    if fused:
+        logger.info("GEMM: %d MoE layers run their experts in one call on weight panels", fused)
     return planned
 
 

@@ -1,5 +1,6 @@
 """The compiled CPU layer ops of csrc/layer_ops.cpp as plain functions: RMSNorm (with the residual
-add), SiLU-and-mul, rotary embedding in place, and the weight-panel linear.
+add), SiLU-and-mul, rotary embedding in place, the weight-panel linear and a MoE layer's experts on
+weight panels.
 
 Built on first use per ISA (attention/cpu_extension.load_cpu_op); `layer_op` gives None where they
 cannot be (no compiler, KVTIDE_CPU_KERNELS=0) and the callers keep their torch versions.
@@ -62,16 +63,30 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 # ---- weight panels for the GEMM chooser -------------------------------------------------------------
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> (ceil(N / 16), K, 16): each panel holds 16 output columns side by side for every k
-    (zero-padded past N), so a small-row linear streams each panel once, front to back."""
-    n, k = weight.shape
+    """(..., N, K) -> (..., ceil(N / 16), K, 16): each panel holds 16 output columns side by side for
+    every k (zero-padded past N), so a small-row linear streams each panel once, front to back.
+    Leading dimensions (a MoE layer's experts) pack each matrix on its own."""
+    *lead, n, k = weight.shape
     blocks = -(-n // PANEL)
-    padded = weight if n == blocks * PANEL else torch.cat([weight, weight.new_zeros(blocks * PANEL - n, k)])
-    return padded.reshape(blocks, PANEL, k).transpose(1, 2).contiguous()
+    padded = weight if n == blocks * PANEL else torch.cat(
+        [weight, weight.new_zeros(*lead, blocks * PANEL - n, k)], dim=-2)
+    return padded.reshape(*lead, blocks, PANEL, k).transpose(-2, -1).contiguous()
 
 
 def linear_panels(x: torch.Tensor, n: int, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) contiguous float32 -> x @ W^T (+ bias), (M, n), from pack_panels(W)."""
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     layer_op("linear_panels")(out, x, panels, bias)
+    return out
+
+
+def moe_experts(hidden: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                w13_panels: torch.Tensor, w2_panels: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """A MoE layer's experts in one call: hidden (T, H) float32; the assignments sorted by expert,
+    token_idx (A,) int64 and weights (A,) float32, expert e's rows offsets[e]:offsets[e + 1] (E + 1,),
+    those past offsets[E] skipped;
+    pack_panels of w13 (E, 2I, H) and w2 (E, H, I) -> (T, H): each token's weighted sum of its
+    experts' w2 @ (silu(gate) * up), added in expert order."""
+    out = torch.empty_like(hidden)
+    layer_op("moe_experts")(out, hidden, token_idx, weights, offsets, w13_panels, w2_panels, intermediate)
     return out

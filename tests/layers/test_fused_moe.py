@@ -1,6 +1,7 @@
 """fused_experts against a per-token float64 loop (random routing, idle experts, one expert for every
 token, T = 1, top_k = 1, 16-bit dtypes); FusedMoE's weight loading from per-expert tensors, its load
-counters, and the capacity limit checked against counts worked out by hand."""
+counters, and the capacity limit checked against counts worked out by hand; the compiled experts op
+on weight panels (every ISA built here) against the same loop, and FusedMoE's switch to it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import kvtide.layers.moe.fused_moe as fused_moe_module
+from kvtide.attention import cpu_extension
+from kvtide.layers import layer_ops
+from kvtide.layers.cpu_gemm import shape_key
 from kvtide.layers.moe import FusedMoE, apply_capacity, expert_capacity, fused_experts, select_experts
+from kvtide.layers.moe.fused_moe import fused_experts_on_panels
+from kvtide.layers.moe.layer import FUSE_BUCKET
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -317,3 +323,84 @@ def test_cpu_weight_prepack_plans_the_experts():
     torch.testing.assert_close(moe(x, logits), before, rtol=1e-4, atol=1e-5 * before.abs().max().item())
     prepack_weights(moe, "off", use_cache=False)
     assert all(v.gemm_plan is None for v in views)
+
+
+# ---- the experts in one compiled call on weight panels ---------------------------------------------
+@pytest.mark.parametrize("isa", cpu_extension.available_isas())
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,idle,hidden,intermediate", [
+    (1, 8, 2, (), 48, 40),             # decode at batch 1: one row per expert (one panel a tile)
+    (13, 4, 2, (2,), 40, 24),          # a tile of 12 rows and one more; an odd number of panels
+    (40, 6, 3, (0, 5), 96, 56),        # several tiles per expert, idle experts first and last
+    (64, 16, 4, (), 33, 17),           # widths that are not multiples of the panel
+])
+def test_moe_experts_op_equals_the_per_token_loop(isa, num_tokens, num_experts, top_k, idle, hidden, intermediate):
+    w13, w2 = _weights(num_experts, hidden, intermediate, seed=num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
+    weights, ids = _random_routing(num_tokens, num_experts, top_k, seed=2, idle=idle)
+    ids[0, 0] = num_experts  # skipped: its token passes through the residual for that choice
+    expected = _reference(x, w13, w2, weights, ids)
+    op = layer_ops.layer_op("moe_experts", isa)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    out = torch.full_like(x, float("nan"))
+    op(out, x, order // top_k, weights.reshape(-1).index_select(0, order), offsets, layer_ops.pack_panels(w13),
+       layer_ops.pack_panels(w2), intermediate)
+    _assert_matches(out, expected, torch.float32)
+    panels = (layer_ops.pack_panels(w13), layer_ops.pack_panels(w2))
+    _assert_matches(fused_experts_on_panels(x, panels, weights, ids), expected, torch.float32)
+
+
+def test_moe_experts_op_every_token_on_one_expert_and_none_routed():
+    w13, w2 = _weights(4, 32, 24, seed=3)
+    panels = (layer_ops.pack_panels(w13), layer_ops.pack_panels(w2))
+    x = torch.randn(30, 32)
+    ids, weights = torch.full((30, 1), 2), torch.rand(30, 1) + 0.5
+    _assert_matches(fused_experts_on_panels(x, panels, weights, ids), _reference(x, w13, w2, weights, ids),
+                    torch.float32)
+    skipped = fused_experts_on_panels(x, panels, weights, torch.full((30, 1), 4))
+    assert torch.equal(skipped, torch.zeros_like(x))
+
+
+def test_moe_experts_op_refuses_bad_offsets():
+    w13, w2 = _weights(2, 16, 16, seed=4)
+    w13_panels, w2_panels = layer_ops.pack_panels(w13), layer_ops.pack_panels(w2)
+    op = layer_ops.layer_op("moe_experts")
+    x, weights = torch.randn(2, 16), torch.ones(3)
+
+    def call(token_idx, offsets, w2p=w2_panels):
+        op(torch.empty_like(x), x, torch.tensor(token_idx), weights, torch.tensor(offsets), w13_panels, w2p, 16)
+
+    for offsets, match in (([0, 2, 4], "at most A"), ([0, 3, 1], "must not decrease"), ([1, 2, 3], "from 0")):
+        with pytest.raises(RuntimeError, match=match):
+            call([0, 0, 0], offsets)
+    with pytest.raises(RuntimeError, match="token index out of range"):
+        call([0, 5, 1], [0, 1, 3])
+    with pytest.raises(RuntimeError, match="w2_panels must be"):
+        call([0, 1, 1], [0, 1, 3], w13_panels)
+
+
+def test_use_expert_panels_follows_the_gemm_choice():
+    moe, _ = _loaded_moe(num_experts=8, top_k=2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x, logits = torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g)
+    expected = moe(x, logits)
+    views = moe.gemm_views()
+    keys = {shape_key(v.weight, None) for v in views}
+    assert keys == {"48x32", "32x24"}  # w13 (2I, H), w2 (H, I)
+    other = {key: {FUSE_BUCKET: "onednn-packed"} for key in keys}
+    assert not moe.use_expert_panels(other) and moe.expert_panels is None
+    assert not moe.use_expert_panels({"48x32": {FUSE_BUCKET: "panels"}}) and moe.expert_panels is None
+    calls = []
+    original = fused_moe_module.layer_ops.moe_experts
+    fused_moe_module.layer_ops.moe_experts = lambda *a: (calls.append(1), original(*a))[1]
+    try:
+        assert moe.use_expert_panels({key: {FUSE_BUCKET: "panels"} for key in keys})
+        assert all(v.gemm_plan is None for v in views)
+        out = moe(x, logits)
+        strided = moe(x.t().contiguous().t(), logits)  # rows the op does not take: the torch path
+    finally:
+        fused_moe_module.layer_ops.moe_experts = original
+    assert calls == [1]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(strided, expected)

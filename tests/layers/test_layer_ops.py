@@ -99,7 +99,7 @@ def test_rotary_embedding_in_place_on_a_fused_qkv(isa, tokens, q_heads, kv_heads
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("n,k", [(960, 576), (17, 3), (16, 1), (1, 64), (49, 1537)])
+@pytest.mark.parametrize("n,k", [(960, 576), (17, 3), (16, 1), (1, 64), (49, 1537), (40, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_panels(isa, n, k, bias):
     gen = torch.Generator().manual_seed(n * k)
@@ -107,7 +107,7 @@ def test_linear_panels(isa, n, k, bias):
     b = torch.randn(n, generator=gen) if bias else None
     panels = layer_ops.pack_panels(weight)
     assert panels.shape == (math.ceil(n / 16), k, 16)
-    for rows in (0, 1, 2, 3, 4, 5, 8, 13):
+    for rows in (0, 1, 2, 3, 4, 5, 8, 13, 26, 40):  # 12-row tiles (AVX-512) and their remainders
         x = torch.randn(rows, k, generator=gen)
         out = torch.full((rows, n), float("nan"))
         op("linear_panels", isa)(out, x, panels, b)

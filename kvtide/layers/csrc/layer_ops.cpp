@@ -13,11 +13,13 @@
 //   linear_panels(out, x, panels, bias)         out = x @ W^T (+ bias) for a few rows, W packed as
 //                                               panels (ceil(N / 16), K, 16): 16 output columns
 //                                               side by side for every k
+//   moe_experts(out, hidden, token_idx, ...)    a MoE layer's experts: gather the routed rows, w13 on
+//                                               panels, SiLU-and-mul, w2 on panels, weighted sum
 //
 // linear_panels is a candidate of layers/cpu_gemm.py's chooser (it is used only for the shapes and
 // row counts where it measures fastest and passes the numerics check). A decode step reads every
 // weight once, so a batch-1 linear is bound by memory: each thread streams a contiguous run of
-// panels (one 64-byte line per k), and up to 4 activation rows share each weight load. Library
+// panels (one 64-byte line per k), and a tile of up to 12 activation rows shares each weight load (below). Library
 // GEMVs on small shapes stayed at 14-17 GB/s on a Zen 5 EPYC, against 38 GB/s for a large one.
 //
 // Sums run in float32 in another order than torch's (vector lanes, then across them), so results
@@ -28,6 +30,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -35,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #ifndef KVTIDE_OPS_NS
 #define KVTIDE_OPS_NS kvtide_layers_default
@@ -49,7 +53,6 @@ constexpr int64_t kV = Vec::size();
 constexpr int64_t kPanel = 16;  // output columns per weight panel
 static_assert(kPanel % kV == 0, "a panel holds whole vectors");
 constexpr int64_t kPanelVecs = kPanel / kV;
-constexpr int64_t kRows = 4;  // activation rows sharing one pass over a panel
 constexpr int64_t kPrefetchRows = 32;  // panel rows (64-byte lines) read ahead of the FMAs
 // Elements per parallel chunk of the row-wise ops: below this, one thread (a fork costs more).
 constexpr int64_t kElementsPerTask = 1 << 15;
@@ -195,65 +198,101 @@ void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
-// ---- small-row linears on weight panels ------------------------------------------------------------
-// R activation rows against one panel: acc[u][r] sums k = u (mod U) so the FMA chains overlap and
-// each chain adds up K / U terms; the U partial sums are added at the end.
-template <int64_t R>
-inline void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias,
+// ---- linears on weight panels ----------------------------------------------------------------------
+// A tile is R activation rows against P adjacent panels: each weight vector loaded is used by R
+// FMAs, each activation element (broadcast) by P * kPanelVecs. The tile keeps R * P * kPanelVecs
+// accumulators in registers: up to 24 of AVX-512's 32 (12 rows x 2 panels) or 12 of AVX2's 16
+// (6 rows x 1 panel of two vectors), so a 16-row expert GEMM or a prefill chunk loads each weight
+// vector once per 12 rows (4 before), and the FMAs, not the loads, set the pace. For few
+// accumulators (decode's 1-2 rows), acc[u] sums k = u (mod U) so the FMA chains overlap; the U
+// partial sums are added at the end.
+constexpr int64_t kTilePanels = kPanelVecs == 1 ? 2 : 1;
+constexpr int64_t kAccumulators = kV >= 16 ? 24 : 12;
+constexpr int64_t kTileRows = kAccumulators / (kTilePanels * kPanelVecs);
+constexpr int64_t kMemoryBoundRows = 2;  // up to this many rows: tiles of one panel
+
+template <int64_t R, int64_t P>
+inline void panel_tile(const float* x, int64_t ldx, const float* panels, int64_t k, const float* bias,
                        float* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t U = R * kPanelVecs <= 4 ? 2 : 1;
+  constexpr int64_t PV = P * kPanelVecs;
+  constexpr int64_t U = R * PV <= 4 ? 2 : 1;
+  const int64_t panel_stride = k * kPanel;
   // Fully unrolled (the pragmas), so the accumulators live in registers, not on the stack.
-  Vec acc[U][R][kPanelVecs];
-#pragma GCC unroll 16
+  Vec acc[U][R][PV];
+#pragma GCC unroll 32
   for (int64_t u = 0; u < U; ++u)
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int64_t r = 0; r < R; ++r)
-#pragma GCC unroll 16
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[u][r][v] = Vec(0.f);
+#pragma GCC unroll 32
+      for (int64_t v = 0; v < PV; ++v) acc[u][r][v] = Vec(0.f);
   int64_t kk = 0;
   for (; kk + U <= k; kk += U) {
-    __builtin_prefetch(panel + (kk + kPrefetchRows) * kPanel, 0, 3);
-#pragma GCC unroll 16
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < P; ++p) __builtin_prefetch(panels + p * panel_stride + (kk + kPrefetchRows) * kPanel, 0, 3);
+#pragma GCC unroll 4
     for (int64_t u = 0; u < U; ++u) {
-      const float* w = panel + (kk + u) * kPanel;
-      Vec wv[kPanelVecs];
-#pragma GCC unroll 16
-      for (int64_t v = 0; v < kPanelVecs; ++v) wv[v] = Vec::loadu(w + v * kV);
-#pragma GCC unroll 16
+      Vec wv[PV];
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < P; ++p)
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < kPanelVecs; ++v)
+          wv[p * kPanelVecs + v] = Vec::loadu(panels + p * panel_stride + (kk + u) * kPanel + v * kV);
+#pragma GCC unroll 32
       for (int64_t r = 0; r < R; ++r) {
         const Vec xv(x[r * ldx + kk + u]);
-#pragma GCC unroll 16
-        for (int64_t v = 0; v < kPanelVecs; ++v) acc[u][r][v] = at::vec::fmadd(xv, wv[v], acc[u][r][v]);
+#pragma GCC unroll 32
+        for (int64_t v = 0; v < PV; ++v) acc[u][r][v] = at::vec::fmadd(xv, wv[v], acc[u][r][v]);
       }
     }
   }
   for (; kk < k; ++kk) {  // K not a multiple of U
-    const float* w = panel + kk * kPanel;
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int64_t r = 0; r < R; ++r) {
       const Vec xv(x[r * ldx + kk]);
-#pragma GCC unroll 16
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[0][r][v] = at::vec::fmadd(xv, Vec::loadu(w + v * kV), acc[0][r][v]);
+#pragma GCC unroll 32
+      for (int64_t v = 0; v < PV; ++v) {
+        const float* w = panels + (v / kPanelVecs) * panel_stride + kk * kPanel + (v % kPanelVecs) * kV;
+        acc[0][r][v] = at::vec::fmadd(xv, Vec::loadu(w), acc[0][r][v]);
+      }
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int64_t r = 0; r < R; ++r) {
-    float sums[kPanel];
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kPanelVecs; ++v) {
+    float sums[P * kPanel];
+#pragma GCC unroll 32
+    for (int64_t v = 0; v < PV; ++v) {
       Vec s = acc[0][r][v];
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int64_t u = 1; u < U; ++u) s = s + acc[u][r][v];
-      if (bias != nullptr && cols == kPanel) s = s + Vec::loadu(bias + v * kV);
+      if (bias != nullptr && cols == P * kPanel) s = s + Vec::loadu(bias + v * kV);
       s.store(sums + v * kV);
     }
     float* o = out + r * ldo;
-    if (cols == kPanel) {
-      std::copy(sums, sums + kPanel, o);
+    if (cols == P * kPanel) {
+      std::copy(sums, sums + P * kPanel, o);
     } else {
       for (int64_t c = 0; c < cols; ++c) o[c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
     }
   }
+}
+
+// panel_tile<rows, P> for a run-time row count in [1, R].
+template <int64_t P, int64_t R = kTileRows>
+inline void panel_tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panels, int64_t k,
+                            const float* bias, float* out, int64_t ldo, int64_t cols) {
+  if constexpr (R >= 1) {
+    if (rows == R) return panel_tile<R, P>(x, ldx, panels, k, bias, out, ldo, cols);
+    panel_tile_rows<P, R - 1>(rows, x, ldx, panels, k, bias, out, ldo, cols);
+  }
+}
+
+template <int64_t P>
+inline void panel_group(const float* x, int64_t m, int64_t k, const float* panels, const float* bias,
+                        float* out, int64_t n, int64_t cols) {
+  int64_t r = 0;
+  for (; r + kTileRows <= m; r += kTileRows)
+    panel_tile<kTileRows, P>(x + r * k, k, panels, k, bias, out + r * n, n, cols);
+  if (r < m) panel_tile_rows<P>(m - r, x + r * k, k, panels, k, bias, out + r * n, n, cols);
 }
 
 void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
@@ -276,20 +315,134 @@ void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panel
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Panels split evenly over the threads: each streams one contiguous run of the weight.
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = wp + p * k * kPanel;
-      const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  const int64_t num_panels = panels.size(0);
+  // A few rows are bound by reading the weight: one panel at a time is one stream per thread.
+  const int64_t group_panels = m > kMemoryBoundRows ? kTilePanels : 1;
+  const int64_t groups = (num_panels + group_panels - 1) / group_panels;
+  // Groups of kTilePanels panels split evenly over the threads: each streams one contiguous run of
+  // the weight, and each group's panels stay in the cache while every row tile passes over them.
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * group_panels, count = std::min(group_panels, num_panels - first);
+      const int64_t col = first * kPanel, cols = std::min(count * kPanel, n - col);
+      const float* panel = wp + first * k * kPanel;
       const float* b = bias_ptr == nullptr ? nullptr : bias_ptr + col;
-      int64_t r = 0;
-      for (; r + kRows <= m; r += kRows) panel_rows<kRows>(xp + r * k, k, panel, k, b, op + r * n + col, n, cols);
-      switch (m - r) {
-        case 3: panel_rows<3>(xp + r * k, k, panel, k, b, op + r * n + col, n, cols); break;
-        case 2: panel_rows<2>(xp + r * k, k, panel, k, b, op + r * n + col, n, cols); break;
-        case 1: panel_rows<1>(xp + r * k, k, panel, k, b, op + r * n + col, n, cols); break;
-        default: break;
+      if (count == kTilePanels) {
+        panel_group<kTilePanels>(xp, m, k, panel, b, op + col, n, cols);
+      } else {
+        panel_group<1>(xp, m, k, panel, b, op + col, n, cols);
       }
+    }
+  });
+}
+
+// ---- a MoE layer's experts on weight panels --------------------------------------------------------
+// The rows routed to each expert are contiguous (sorted by expert, offsets[e] .. offsets[e + 1]).
+// One GEMM phase runs every (expert, panel group) pair with rows: the pairs are split over the
+// threads by their share of the work (rows x panels), so both threads stay busy whether the rows
+// spread over all experts or pile onto one, and no thread waits on another between experts.
+void experts_gemm(const float* x, int64_t ldx, float* out, int64_t ldo, const int64_t* offsets, int64_t experts,
+                  const float* panels, int64_t num_panels, int64_t k, int64_t n) {
+  struct Item { int64_t expert, first, count; };
+  std::vector<Item> items;
+  std::vector<int64_t> cost_before{0};  // work before each item
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    const int64_t group = rows > kMemoryBoundRows ? kTilePanels : 1;
+    for (int64_t first = 0; first < num_panels; first += group) {
+      const int64_t count = std::min(group, num_panels - first);
+      items.push_back({e, first, count});
+      cost_before.push_back(cost_before.back() + (rows + 1) * count);  // + 1: a pass over the weight
+    }
+  }
+  if (items.empty()) return;
+  const int64_t total = cost_before.back(), threads = std::min<int64_t>(at::get_num_threads(), items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    // Thread share t takes the items that start in [t * total / threads, (t + 1) * total / threads).
+    auto first_item = [&](int64_t t) {
+      return std::lower_bound(cost_before.begin(), cost_before.end() - 1, t * total / threads) - cost_before.begin();
+    };
+    for (int64_t i = first_item(t0), end = first_item(t1); i < end; ++i) {
+      const Item& item = items[i];
+      const int64_t row0 = offsets[item.expert], rows = offsets[item.expert + 1] - row0;
+      const int64_t col = item.first * kPanel, cols = std::min(item.count * kPanel, n - col);
+      const float* panel = panels + (item.expert * num_panels + item.first) * k * kPanel;
+      if (item.count == kTilePanels) {
+        panel_group<kTilePanels>(x + row0 * ldx, rows, k, panel, nullptr, out + row0 * ldo + col, ldo, cols);
+      } else {
+        panel_group<1>(x + row0 * ldx, rows, k, panel, nullptr, out + row0 * ldo + col, ldo, cols);
+      }
+    }
+  });
+}
+
+void check_panels(const at::Tensor& panels, int64_t experts, int64_t n, int64_t k, const char* name) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.size(0) == experts && panels.size(1) == (n + kPanel - 1) / kPanel && panels.size(2) == k &&
+                  panels.size(3) == kPanel,
+              name, " must be float32 (", experts, ", ", (n + kPanel - 1) / kPanel, ", ", k, ", ", kPanel, "), got ",
+              panels.sizes());
+}
+
+void moe_experts(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& token_idx, const at::Tensor& weights,
+                 const at::Tensor& offsets, const at::Tensor& w13_panels, const at::Tensor& w2_panels,
+                 int64_t intermediate) {
+  check_rows(hidden, "hidden");
+  check_rows(out, "out");
+  TORCH_CHECK(hidden.is_contiguous() && out.is_contiguous() && out.sizes() == hidden.sizes(),
+              "out and hidden must be contiguous (T, H)");
+  const int64_t tokens = hidden.size(0), h = hidden.size(1), experts = offsets.size(0) - 1;
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() && experts >= 1,
+              "offsets must be int64 (E + 1,)");
+  TORCH_CHECK(token_idx.scalar_type() == at::kLong && token_idx.dim() == 1 && token_idx.is_contiguous(),
+              "token_idx must be int64 (A,)");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.dim() == 1 && weights.is_contiguous() &&
+                  weights.size(0) == token_idx.size(0), "weights must be float32 (A,)");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t assignments = off[experts];  // the rows past it (skipped assignments) are not read
+  TORCH_CHECK(off[0] == 0 && assignments <= token_idx.size(0), "offsets must run from 0 to at most A = ",
+              token_idx.size(0));
+  for (int64_t e = 0; e < experts; ++e) TORCH_CHECK(off[e] <= off[e + 1], "offsets must not decrease");
+  const int64_t* tok = token_idx.data_ptr<int64_t>();
+  for (int64_t a = 0; a < assignments; ++a) TORCH_CHECK(0 <= tok[a] && tok[a] < tokens, "token index out of range");
+  check_panels(w13_panels, experts, 2 * intermediate, h, "w13_panels");
+  check_panels(w2_panels, experts, h, intermediate, "w2_panels");
+
+  out.zero_();
+  if (assignments == 0) return;
+  const float* hp = hidden.data_ptr<float>();
+  at::Tensor xs = at::empty({assignments, h}, hidden.options());
+  float* xsp = xs.data_ptr<float>();
+  at::parallel_for(0, assignments, row_grain(h), [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) std::copy(hp + tok[a] * h, hp + (tok[a] + 1) * h, xsp + a * h);
+  });
+  at::Tensor gate_up = at::empty({assignments, 2 * intermediate}, hidden.options());
+  experts_gemm(xsp, h, gate_up.data_ptr<float>(), 2 * intermediate, off, experts, w13_panels.data_ptr<float>(),
+               w13_panels.size(1), h, 2 * intermediate);
+  at::Tensor act = at::empty({assignments, intermediate}, hidden.options());
+  silu_and_mul(act, gate_up);
+  at::Tensor down = at::empty({assignments, h}, hidden.options());
+  experts_gemm(act.data_ptr<float>(), intermediate, down.data_ptr<float>(), h, off, experts,
+               w2_panels.data_ptr<float>(), w2_panels.size(1), intermediate, h);
+  // out[token] += down * weight, assignment by assignment in expert order (each token's experts added
+  // in the order, and with the roundings, of one index_add_ per expert); threads split the columns.
+  const float* dp = down.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t vecs = (h + kV - 1) / kV;
+  at::parallel_for(0, vecs, std::max<int64_t>(1, vecs / 8), [&](int64_t v0, int64_t v1) {
+    const int64_t c0 = v0 * kV, c1 = std::min(h, v1 * kV);
+    for (int64_t a = 0; a < assignments; ++a) {
+      const float* d = dp + a * h;
+      float* o = op + tok[a] * h;
+      const Vec w(wp[a]);
+      int64_t c = c0;
+      for (; c + kV <= c1; c += kV) {
+        const Vec product = Vec::loadu(d + c) * w;
+        (Vec::loadu(o + c) + product).store(o + c);
+      }
+      for (; c < c1; ++c) o[c] += d[c] * wp[a];
     }
   });
 }
@@ -304,4 +457,6 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &KVTIDE_OPS_NS::silu_and_mul);
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()", &KVTIDE_OPS_NS::rotary_embedding);
   m.def("linear_panels(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &KVTIDE_OPS_NS::linear_panels);
+  m.def("moe_experts(Tensor(a!) out, Tensor hidden, Tensor token_idx, Tensor weights, Tensor offsets, "
+        "Tensor w13_panels, Tensor w2_panels, int intermediate) -> ()", &KVTIDE_OPS_NS::moe_experts);
 }

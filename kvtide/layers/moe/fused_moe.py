@@ -38,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvtide.layers import layer_ops
 from kvtide.layers.cpu_gemm import GemmPlan
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -95,6 +96,25 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
         out.index_add_(0, token_idx[start:end], (down * weights[start:end]).to(out.dtype))
         start = end
     return out
+
+
+def fused_experts_on_panels(hidden_states: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor],
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_experts on float32 CPU tensors in one compiled call (layer_ops.moe_experts), from
+    pack_panels of w13 and w2: no host sync, no per-expert op dispatch, the two GEMM phases each
+    spread over all (expert, panel) pairs. Same grouping, products and summation order per token
+    as fused_experts; the GEMMs' own sums in another order (the panel kernel's)."""
+    w13_panels, w2_panels = panels
+    num_experts = w13_panels.shape[0]
+    intermediate = w2_panels.shape[2]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    weights = topk_weights.reshape(-1).to(torch.float32).index_select(0, order)
+    return layer_ops.moe_experts(hidden_states, order // topk_ids.shape[1], weights, offsets, w13_panels,
+                                 w2_panels, intermediate)
 
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor, stacked: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,15 +40,20 @@ import torch
 from torch import nn
 
 from kvtide.distributed import experts_span_replicas, get_ep_group, get_layout, get_tp_group
+from kvtide.layers import layer_ops
+from kvtide.layers.cpu_gemm import shape_key
 from kvtide.layers.linear import default_weight_loader, divide, take
 from kvtide.layers.moe.expert_parallel import AllToAllDispatcher, Dispatched
-from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts
+from kvtide.layers.moe.fused_moe import apply_capacity, fused_experts, fused_experts_on_panels
 from kvtide.layers.moe.placement import ExpertPlacement
 from kvtide.layers.moe.quantized_experts import ExpertQuantizer, QuantizedExperts
 from kvtide.layers.moe.routing import select_experts
 from kvtide.layers.quantization.base import drop_parameters
 from kvtide.layers.quantization.weight_only import quantized_linear
 
+FUSE_BUCKET = "9-64"
+"""The cpu_gemm row bucket whose kernel choice decides use_expert_panels (a 64-request decode gives
+each of 8 experts top-2 about 16 rows)."""
 EXPERT_SHARDS = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
 """The shard names each stacked parameter takes (vLLM's names: w1 = gate, w3 = up, w2 = down)."""
 
@@ -156,6 +161,8 @@ class FusedMoE(nn.Module):
         """Run the experts through triton_moe.py's grouped GEMM (CUDA only); set by whoever enables
         the Triton ops."""
         self._gemm_views: list[ExpertGemmView] | None = None
+        self.expert_panels: tuple[torch.Tensor, torch.Tensor] | None = None
+        """pack_panels of w13 and w2 when the experts run as one compiled call (use_expert_panels)."""
         self.w13_quantized: QuantizedExperts | None = None
         self.w2_quantized: QuantizedExperts | None = None
         """The experts' weights after quantize_experts (then the float parameters are gone)."""
@@ -277,6 +284,9 @@ class FusedMoE(nn.Module):
             from kvtide.layers.moe.triton_moe import triton_fused_experts
 
             return triton_fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if (self.expert_panels is not None and hidden_states.dtype == torch.float32
+                and hidden_states.device.type == "cpu" and hidden_states.is_contiguous()):
+            return fused_experts_on_panels(hidden_states, self.expert_panels, topk_weights, topk_ids)
         plans = None
         if self._gemm_views is not None and any(v.gemm_plan is not None for v in self._gemm_views):
             views = self._gemm_views
@@ -294,6 +304,21 @@ class FusedMoE(nn.Module):
             self._gemm_views = [ExpertGemmView(w[e]) for e in range(self.local_num_experts)
                                 for w in (self.w13_weight.data, self.w2_weight.data)]
         return self._gemm_views
+
+    def use_expert_panels(self, choices: dict[str, dict[str, str]]) -> bool:
+        """After cpu_gemm.prepack_weights: run the experts as one compiled call on weight panels
+        (fused_experts_on_panels) when the chooser picked the panel kernel for both expert shapes at
+        the rows an expert sees in a batched decode (FUSE_BUCKET), i.e. where that kernel measured
+        fastest on this machine. The panels replace the per-expert plans' packed copies."""
+        views = self._gemm_views
+        if not views or layer_ops.layer_op("moe_experts") is None:
+            return False
+        if any(choices.get(shape_key(v.weight, None), {}).get(FUSE_BUCKET) != "panels" for v in views[:2]):
+            return False
+        self.expert_panels = (layer_ops.pack_panels(self.w13_weight.data), layer_ops.pack_panels(self.w2_weight.data))
+        for view in views:
+            view.gemm_plan = None
+        return True
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
