@@ -7,9 +7,11 @@
           parameters a token's forward touches in the MoE layer, minus the router
 
 The MoE's expert matmuls go through fused_moe.expert_linear (on float32 CPU: F.linear or the
-weight-major product (w @ x.T).T, whichever it measured faster per shape and row bucket); the
-dense MLP is timed with both products and its faster one counts ("dense_kernel" in the JSON), so
-neither side wins by a kernel the other lacks. Same dtype and threads, random weights; the
+weight-major product (w @ x.T).T, whichever it measured faster per shape and row bucket) and, on
+float32 CPU where the compiled ops build, through the one-call experts op on weight panels
+(`panels`); the dense MLP is timed with the same products (F.linear, weight-major, the panel
+kernel) and on each side the fastest counts ("moe_kernel", "dense_kernel" in the JSON), so neither
+side wins by a kernel the other lacks. Same dtype and threads, random weights; the
 router's random weights spread the tokens over the experts about evenly.
 
 For each --tokens count the ops are timed alternately, --iters times each after --warmup rounds,
@@ -72,6 +74,7 @@ def run_moe_op_bench(num_experts: int, top_k: int, hidden_size: int, intermediat
     import torch
     import torch.nn.functional as F
 
+    from kvtide.layers import layer_ops
     from kvtide.layers.moe import FusedMoE
     from kvtide.layers.moe.fused_moe import expert_linear, weight_major_linear
 
@@ -95,16 +98,34 @@ def run_moe_op_bench(num_experts: int, top_k: int, hidden_size: int, intermediat
         out = moe(x, F.linear(x, router))
         return out + _gated_mlp(x, *shared, expert_linear) if shared is not None else out
 
+    moe_forwards = {"torch": moe_forward}
     dense_forwards = {"f.linear": lambda x: _gated_mlp(x, *dense, F.linear),
                       "weight-major": lambda x: _gated_mlp(x, *dense, weight_major_linear)}
     if torch_dtype != torch.float32:  # expert_linear is F.linear there
         del dense_forwards["weight-major"]
+    elif layer_ops.layer_op("moe_experts") is not None:
+        # The compiled experts call, and the dense MLP on the same panel kernel.
+        panels = {id(w): layer_ops.pack_panels(w) for w in dense}
+        panel_moe = FusedMoE(num_experts, top_k, h, i, renormalize=True)
+        panel_moe.count_load = False
+        panel_moe.load_state_dict(moe.state_dict())
+        panel_moe.expert_panels = (layer_ops.pack_panels(moe.w13_weight.data), layer_ops.pack_panels(moe.w2_weight.data))
+
+        def panel_linear(x, w):
+            return layer_ops.linear_panels(x, w.shape[0], panels[id(w)], None) if id(w) in panels else F.linear(x, w)
+
+        def panel_moe_forward(x):
+            out = panel_moe(x, F.linear(x, router))
+            return out + _gated_mlp(x, *shared, expert_linear) if shared is not None else out
+
+        moe_forwards["panels"] = panel_moe_forward
+        dense_forwards["panels"] = lambda x: _gated_mlp(x, *dense, panel_linear)
 
     rows = []
     with torch.inference_mode():
         for num_tokens in tokens:
             x = randn(num_tokens, h, scale=1.0)
-            forwards = {"moe": moe_forward} | dense_forwards
+            forwards = {f"moe {k}": f for k, f in moe_forwards.items()} | dense_forwards
             times: dict[str, list[float]] = {name: [] for name in forwards}
             for step in range(warmup + iters):  # alternating: drift in the machine's load hits all
                 for name, forward in forwards.items():
@@ -113,8 +134,12 @@ def run_moe_op_bench(num_experts: int, top_k: int, hidden_size: int, intermediat
                         times[name].append(elapsed)
             medians = {name: statistics.median(t) for name, t in times.items()}
             dense_kernel = min(dense_forwards, key=medians.__getitem__)
-            rows.append({"tokens": num_tokens, "moe_ms": medians["moe"], "dense_ms": medians[dense_kernel],
-                         "dense_kernel": dense_kernel, "ratio": medians["moe"] / medians[dense_kernel],
+            moe_kernel = min(moe_forwards, key=lambda k: medians[f"moe {k}"])
+            moe_ms = medians[f"moe {moe_kernel}"]
+            rows.append({"tokens": num_tokens, "moe_ms": moe_ms, "moe_kernel": moe_kernel,
+                         "dense_ms": medians[dense_kernel], "dense_kernel": dense_kernel,
+                         "ratio": moe_ms / medians[dense_kernel],
+                         "moe_ms_by_kernel": {k: medians[f"moe {k}"] for k in moe_forwards},
                          "dense_ms_by_kernel": {name: medians[name] for name in dense_forwards}})
     return {"num_experts": num_experts, "top_k": top_k, "hidden_size": h, "intermediate_size": i,
             "shared_intermediate_size": s, "dense_intermediate_size": dense_i, "dtype": dtype, "iters": iters,
@@ -126,9 +151,10 @@ def format_moe_op(result: dict) -> str:
     head = (f"MoE E={result['num_experts']} k={result['top_k']} H={result['hidden_size']} "
             f"I={result['intermediate_size']}{shared} vs dense MLP I={result['dense_intermediate_size']}, "
             f"{result['dtype']}, median of {result['iters']}")
-    rows = [("tokens", "moe ms", "dense ms", "ratio")]
+    rows = [("tokens", "moe ms", "(kernel)", "dense ms", "(kernel)", "ratio")]
     for r in result["results"]:
-        rows.append((str(r["tokens"]), f"{r['moe_ms']:.3f}", f"{r['dense_ms']:.3f}", f"{r['ratio']:.2f}"))
+        rows.append((str(r["tokens"]), f"{r['moe_ms']:.3f}", r.get("moe_kernel", "torch"), f"{r['dense_ms']:.3f}",
+                     r["dense_kernel"], f"{r['ratio']:.2f}"))
     met = [str(r["tokens"]) for r in result["results"] if r["ratio"] <= result["target_ratio"]]
     target = (f"target moe <= {result['target_ratio']:.1f}x dense: met at tokens "
               f"{', '.join(met) if met else 'none'} of {len(result['results'])}")

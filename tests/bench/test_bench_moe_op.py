@@ -28,6 +28,10 @@ def test_figures_per_token_count():
     for r in rows:
         assert r["moe_ms"] > 0 and r["dense_ms"] > 0
         assert r["ratio"] == pytest.approx(r["moe_ms"] / r["dense_ms"])
+        # each side's figure is its fastest kernel's, the compiled experts call among the MoE's
+        assert set(r["moe_ms_by_kernel"]) == {"torch", "panels"}
+        assert r["moe_ms"] == min(r["moe_ms_by_kernel"].values())
+        assert r["dense_ms"] == min(r["dense_ms_by_kernel"].values())
     text = format_moe_op(result)
     assert text.splitlines()[0].startswith("machine: ") and "ISA" in text.splitlines()[0]
 
@@ -42,12 +46,13 @@ def test_the_command_prints_the_table(capsys, tmp_path):
     assert lines[0].startswith("machine: ")
     assert "E=4 k=1 H=32 I=16 vs dense MLP I=16" in lines[1]
     header = lines.index(next(line for line in lines if line.startswith("tokens")))
-    assert lines[header].split() == ["tokens", "moe", "ms", "dense", "ms", "ratio"]
+    assert lines[header].split() == ["tokens", "moe", "ms", "(kernel)", "dense", "ms", "(kernel)", "ratio"]
     table = [line.split() for line in lines[header + 1:header + 4]]
     assert [row[0] for row in table] == ["1", "8", "3"]
     for row in table:
-        moe_ms, dense_ms, ratio = (float(v) for v in row[1:])
+        moe_ms, dense_ms, ratio = float(row[1]), float(row[3]), float(row[5])
         assert moe_ms > 0 and dense_ms > 0 and ratio > 0
+        assert row[2] in ("torch", "panels") and row[4] in ("f.linear", "weight-major", "panels")
     assert lines[header + 4].startswith("target moe <= 1.5x dense")
     saved = json.loads(out_json.read_text())
     assert [r["tokens"] for r in saved["results"]] == [1, 8, 3] and saved["machine"]["isa"]
