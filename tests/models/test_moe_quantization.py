@@ -1,6 +1,7 @@
-"""On-the-fly weight quantization of MoE models (`--quantization int8/int4/fp8`): every expert's w13
-and w2 are quantized with the scheme of the dense linears (layers/moe/quantized_experts.py), the
-float experts are dropped, and the engine runs them through the weight-only kernels.
+"""On-the-fly weight quantization of MoE models (`--quantization int8/int4/fp8/w8a8`): every expert's
+w13 and w2 are quantized with the scheme of the dense linears (layers/moe/quantized_experts.py), the
+float experts are dropped, and the engine runs them through the weight-only kernels (w8a8: int8
+activations times int8 weights, checked against its formula at the end).
 
 The oracle is the float engine of the same checkpoint with every weight the quantized engine
 quantized (attention, LM head, shared experts, each routed expert) overwritten by its dequantized
@@ -13,13 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_reference import LONG_PROMPT
 
 from kvtide import LLM, SamplingParams
+from kvtide.layers.moe import fused_experts
 from kvtide.layers.moe.layer import FusedMoE
 from kvtide.layers.quantization import weight_bytes
 from kvtide.layers.quantization import weight_only as weight_only_module
 from kvtide.layers.quantization.qweight import dequantize, quantize_fp8, quantize_int4, quantize_int8
+from kvtide.layers.quantization.w8a8 import w8a8_expert_linear
+from kvtide.layers.quantization.weight_only import quantized_linear
 
 CASES = {
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)),
@@ -137,3 +142,48 @@ def test_int4_groups_must_divide_the_experts_width(checkpoint_factory):
                                    shared_expert_intermediate_size=96)
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         make_llm(model_dir, quantization="int4", quantization_group_size=32)
+
+
+def test_w8a8_experts_multiply_int8_activations_by_int8_weights(moe_dir):
+    """Under w8a8 each expert holds the int8 per-channel weights of int8 weight-only (the same codes
+    and scales) and rounds its input rows to int8 per token, for w13 and again for w2's input: the
+    layer equals that formula worked in float64, and differs from weight-only int8 by the rounding."""
+    float_llm, w8a8_llm = make_llm(moe_dir("mixtral")), make_llm(moe_dir("mixtral"), quantization="w8a8")
+    float_moes, w8a8_moes = moe_layers(model_of(float_llm)), moe_layers(model_of(w8a8_llm))
+    gen = torch.Generator().manual_seed(3)
+    for name, moe in w8a8_moes.items():
+        float_moe = float_moes[name]
+        assert moe.expert_kernel is w8a8_expert_linear and "w13_weight" not in moe._parameters
+        parts = {}
+        for e in range(moe.num_experts):
+            for key, stacked, quantized in (("w13", float_moe.w13_weight, moe.w13_quantized),
+                                            ("w2", float_moe.w2_weight, moe.w2_quantized)):
+                expected = quantize_int8(stacked.data[e])
+                assert torch.equal(quantized.experts[e].codes, expected.codes), (name, e, key)
+                assert torch.equal(quantized.experts[e].scales, expected.scales), (name, e, key)
+                parts[key, e] = (expected.codes.double(), expected.scales.double().reshape(1, -1))
+        x = torch.randn(9, moe.hidden_size, generator=gen)
+        weights, ids = torch.rand(9, 2, generator=gen), torch.stack([torch.arange(9) % 4, (torch.arange(9) + 1) % 4], 1)
+        with torch.inference_mode():
+            got = moe.run_experts(x, weights, ids).double()
+            weight_only = fused_experts(x, moe.w13_quantized.experts, moe.w2_quantized.experts, weights, ids,
+                                        [(quantized_linear, quantized_linear)] * moe.num_experts).double()
+
+        def int8_rows(v):  # per-token int8 activations, as the layer rounds them (float32)
+            scale = v.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127.0
+            return torch.round(v / scale).clamp(-128, 127).double(), scale.double()
+
+        expected = torch.zeros(9, moe.hidden_size, dtype=torch.float64)
+        inter = moe.local_intermediate_size
+        for t in range(9):
+            for j in range(2):
+                e = int(ids[t, j])
+                codes, scale = int8_rows(x[t:t + 1])
+                gate_up = (codes @ parts["w13", e][0].T) * scale * parts["w13", e][1]
+                act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).float()
+                codes, scale = int8_rows(act)
+                expected[t] += float(weights[t, j]) * ((codes @ parts["w2", e][0].T) * scale * parts["w2", e][1])[0]
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() < 1e-4 * scale, name
+        assert (got - weight_only).abs().max().item() > 1e-3 * scale, name  # activations rounded, not float
+    assert w8a8_llm.generate(PROMPTS[:2], GREEDY)[0].outputs[0].token_ids  # the engine serves them

@@ -166,6 +166,8 @@ class FusedMoE(nn.Module):
         self.w13_quantized: QuantizedExperts | None = None
         self.w2_quantized: QuantizedExperts | None = None
         """The experts' weights after quantize_experts (then the float parameters are gone)."""
+        self.expert_kernel = quantized_linear
+        """The quantized experts' GEMM (weight-only, or int8 activations under w8a8)."""
 
     @property
     def partial_output(self) -> bool:
@@ -235,12 +237,13 @@ class FusedMoE(nn.Module):
         param.data[:, :inter].copy_(_materialize(loaded.narrow(1, start, inter)))
         param.data[:, inter:].copy_(_materialize(loaded.narrow(1, intermediate + start, inter)))
 
-    def quantize_experts(self, quantize: ExpertQuantizer) -> None:
+    def quantize_experts(self, quantize: ExpertQuantizer, kernel=quantized_linear) -> None:
         """Quantize every local expert's w13 and w2 (on-the-fly --quantization; quantized_experts.py)
-        and drop the float parameters."""
+        and drop the float parameters; `kernel` (x, QuantizedWeight, bias) -> y runs their GEMMs."""
         if self.tp_size > 1:
             raise NotImplementedError("quantized experts split over tensor-parallel ranks are not supported; "
                                       "use --enable-expert-parallel or world size 1")
+        self.expert_kernel = kernel
         self.w13_quantized = QuantizedExperts(self.w13_weight.data, quantize)
         self.w2_quantized = QuantizedExperts(self.w2_weight.data, quantize)
         drop_parameters(self, "w13_weight", "w2_weight")
@@ -277,7 +280,7 @@ class FusedMoE(nn.Module):
                     topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted sum per token; ids are local slots (E_local: skipped)."""
         if self.w13_quantized is not None and self.w2_quantized is not None:
-            plans = [(quantized_linear, quantized_linear)] * self.local_num_experts
+            plans = [(self.expert_kernel, self.expert_kernel)] * self.local_num_experts
             return fused_experts(hidden_states, self.w13_quantized.experts, self.w2_quantized.experts,
                                  topk_weights, topk_ids, plans)
         if self.use_triton and hidden_states.is_cuda:

@@ -155,7 +155,7 @@ def finish_quantization(model: nn.Module) -> int:
     quantize_expert = config.expert_quantizer() if config is not None else None
     for module in model.modules():
         if quantize_expert is not None and hasattr(module, "quantize_experts"):  # a MoE layer's experts
-            module.quantize_experts(quantize_expert)
+            module.quantize_experts(quantize_expert, config.expert_kernel())
             done += 1
     return done
 

@@ -69,8 +69,14 @@ class QuantizationConfig:
 
     def expert_quantizer(self):
         """How a MoE layer's float experts are quantized after loading (one expert's (N, K) weight ->
-        its QuantizedWeight), or None: they stay float (checkpoint formats, w8a8)."""
+        its QuantizedWeight), or None: they stay float (checkpoint formats)."""
         return None
+
+    def expert_kernel(self):
+        """The GEMM of a quantized expert, (x, QuantizedWeight, bias) -> y: weight-only by default."""
+        from kvtide.layers.quantization.weight_only import quantized_linear
+
+        return quantized_linear
 
     def skip_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Asked by load_weights about a checkpoint tensor that has no parameter: True skips it

@@ -16,7 +16,9 @@ The 1 / s division runs on the activations at run time (one elementwise pass) ra
 into the preceding norm: o_proj and down_proj have no norm before them.
 
 The LM head and a tied embedding take int8 weight-only (their input is the final norm's output,
-and the logits are what sampling reads: no activation rounding there).
+and the logits are what sampling reads: no activation rounding there). A MoE layer's experts take
+the linears' scheme, int8 per-channel weights times per-token int8 activations (`w8a8_expert_linear`),
+unsmoothed; the router stays float.
 """
 
 from __future__ import annotations
@@ -106,6 +108,18 @@ class W8A8Method(QuantizeMethod):
         return y.to(x.dtype).reshape(*shape[:-1], qw.out_features)
 
 
+def w8a8_expert_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A MoE expert's GEMM under w8a8 (FusedMoE.expert_kernel): x (M, K) rounded to int8 per row
+    (each row is one token's), times the expert's per-channel int8 codes, as W8A8Method.apply does.
+    Experts are not smoothed: calibration observes the linears, and an expert sees only the tokens
+    routed to it."""
+    codes, scale = quantize_per_token_int8(x)
+    y = int8_matmul(codes, qw.codes).float() * scale * qw.scales.reshape(1, -1)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
 class SmoothQuantMethod(W8A8Method):
     """On-the-fly W8A8 of a float layer, smoothed by the calibration's activation maxima if any."""
 
@@ -158,6 +172,14 @@ class W8A8Config(QuantizationConfig):
         if not quantizes(prefix, layer):
             return None
         return SmoothQuantMethod() if isinstance(layer, LinearBase) else OnlineWeightOnlyMethod(quantize_int8, "int8")
+
+    def expert_quantizer(self):
+        """A MoE layer's experts: int8 per-channel weights, as the linears'."""
+        return quantize_int8
+
+    def expert_kernel(self):
+        """The experts' GEMM multiplies per-token int8 activations by those weights."""
+        return w8a8_expert_linear
 
     def describe(self) -> str:
         return "w8a8 (SmoothQuant)" if self.calibration_data else "w8a8"
