@@ -26,8 +26,12 @@ from kvtide.layers.linear import ReplicatedLinear
 from kvtide.layers.moe import FusedMoE
 from kvtide.models.llama import LlamaMLP
 
-EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-"""`layers.3.mlp.experts.7.gate_proj.weight`: one expert's projection in a Hugging Face checkpoint."""
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+                           r"(?P<kind>weight|qweight|qzeros|scales|g_idx)$")
+"""`layers.3.mlp.experts.7.gate_proj.weight`: one expert's projection in a Hugging Face checkpoint
+(or one of its GPTQ tensors, `...gate_proj.qweight`)."""
+EXPERT_PARAM = re.compile(r"\.experts\.(?P<proj>w13|w2)_(?:weight|qweight|qzeros|scales|g_idx)$")
+"""A stacked FusedMoE parameter: `w13_weight`, or a GPTQ checkpoint's `w13_qweight`, ..."""
 
 
 def expert_shard(name: str, proj_names: dict[str, str]) -> tuple[str, object] | None:
@@ -37,7 +41,7 @@ def expert_shard(name: str, proj_names: dict[str, str]) -> tuple[str, object] | 
     if match is None or match["proj"] not in proj_names:
         return None
     shard = proj_names[match["proj"]]
-    param = "w2_weight" if shard == "w2" else "w13_weight"
+    param = f"{'w2' if shard == 'w2' else 'w13'}_{match['kind']}"
     return f"{match['prefix']}.{param}", (int(match["expert"]), shard)
 
 
@@ -45,12 +49,10 @@ def required_expert_shards(param_name: str, model: nn.Module) -> set[object] | N
     """The shard ids that fill a stacked expert parameter of `model` on this rank, or None for any
     other parameter. Under expert parallelism a rank holds (and needs) only its own experts'
     shards, whichever others its loader was also handed."""
-    if param_name.endswith(".experts.w13_weight"):
-        shards: tuple[str, ...] = ("w1", "w3")
-    elif param_name.endswith(".experts.w2_weight"):
-        shards = ("w2",)
-    else:
+    match = EXPERT_PARAM.search(param_name)
+    if match is None:
         return None
+    shards = ("w1", "w3") if match["proj"] == "w13" else ("w2",)
     experts = model.get_submodule(param_name.rpartition(".")[0])
     assert isinstance(experts, FusedMoE), f"{param_name} does not belong to a FusedMoE"
     return {(e, w) for e in experts.local_experts for w in shards}

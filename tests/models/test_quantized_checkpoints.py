@@ -107,6 +107,9 @@ def input_group(module: str) -> str:
     layer = module.split(".")[2] if module.startswith("model.layers.") else module
     leaf = module.rsplit(".", 1)[-1]
     kind = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    if ".experts." in module:  # one expert's w1 and w3 (gate and up) read the same rows
+        expert = module.rsplit(".", 1)[0]
+        return f"{expert}.{'w2' if leaf in ('w2', 'down_proj') else 'w13'}"
     return f"{layer}.{kind.get(leaf, leaf)}"
 
 

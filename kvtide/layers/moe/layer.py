@@ -49,6 +49,7 @@ from kvtide.layers.moe.placement import ExpertPlacement
 from kvtide.layers.moe.quantized_experts import ExpertQuantizer, QuantizedExperts
 from kvtide.layers.moe.routing import select_experts
 from kvtide.layers.quantization.base import drop_parameters
+from kvtide.layers.quantization.qweight import QuantizedWeight
 from kvtide.layers.quantization.weight_only import quantized_linear
 
 FUSE_BUCKET = "9-64"
@@ -243,9 +244,16 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             raise NotImplementedError("quantized experts split over tensor-parallel ranks are not supported; "
                                       "use --enable-expert-parallel or world size 1")
+        self.set_quantized_experts([quantize(w) for w in self.w13_weight.data],
+                                   [quantize(w) for w in self.w2_weight.data], kernel)
+
+    def set_quantized_experts(self, w13: list[QuantizedWeight], w2: list[QuantizedWeight],
+                              kernel=quantized_linear) -> None:
+        """Run the local experts on these quantized weights (one per local expert and projection)
+        through `kernel`; drops the float parameters."""
         self.expert_kernel = kernel
-        self.w13_quantized = QuantizedExperts(self.w13_weight.data, quantize)
-        self.w2_quantized = QuantizedExperts(self.w2_weight.data, quantize)
+        self.w13_quantized = QuantizedExperts(w13)
+        self.w2_quantized = QuantizedExperts(w2)
         drop_parameters(self, "w13_weight", "w2_weight")
         self._gemm_views = None
 

@@ -123,6 +123,11 @@ def prepare_quantization(model: nn.Module, config: QuantizationConfig) -> None:
     config.bind_model(model)
     model.quant_config = config  # the model's load_weights asks it about tensors with no parameter
     for prefix, module in model.named_modules():
+        if hasattr(module, "quantize_experts"):  # a MoE layer's experts, in the checkpoint's format
+            module.experts_quant_method = config.experts_method_for(prefix, module)
+            if module.experts_quant_method is not None:
+                module.experts_quant_method.create_weights(module)
+            continue
         if not _quantizable(module) or getattr(module, "tied_to", None) is not None:
             continue
         method = config.method_for(prefix, module)
@@ -154,7 +159,13 @@ def finish_quantization(model: nn.Module) -> int:
     config = getattr(model, "quant_config", None)
     quantize_expert = config.expert_quantizer() if config is not None else None
     for module in model.modules():
-        if quantize_expert is not None and hasattr(module, "quantize_experts"):  # a MoE layer's experts
+        if not hasattr(module, "quantize_experts"):  # not a MoE layer's experts
+            continue
+        method = getattr(module, "experts_quant_method", None)
+        if method is not None:
+            module.set_quantized_experts(*method.process_weights_after_loading(module), config.expert_kernel())
+            done += 1
+        elif quantize_expert is not None:
             module.quantize_experts(quantize_expert, config.expert_kernel())
             done += 1
     return done

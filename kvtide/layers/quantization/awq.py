@@ -75,11 +75,17 @@ class AWQMethod(WeightOnlyMethod):
         drop_parameters(layer, "weight")
 
     def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
-        codes = unpack_awq(layer.qweight.data).t()  # (N, K)
-        zeros = unpack_awq(layer.qzeros.data).t()  # (N, G)
-        qw = int_weight(codes, 4, layer.scales.data.t(), zeros, self.group)
+        qw = decode_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group)
         drop_parameters(layer, *PARAMS)
         return qw
+
+
+def decode_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> QuantizedWeight:
+    """One AWQ weight's tensors (qweight (K, N / 8), qzeros (G, N / 8), scales (G, N)) -> its
+    QuantizedWeight."""
+    codes = unpack_awq(qweight).t()  # (N, K)
+    zeros = unpack_awq(qzeros).t()  # (N, G)
+    return int_weight(codes, 4, scales.t(), zeros, group)
 
 
 class AWQConfig(QuantizationConfig):
@@ -116,6 +122,15 @@ class AWQConfig(QuantizationConfig):
         output columns must hold whole int32 words of 8: checked as each layer loads)."""
         if tensor_parallel_size > 1 and self.group_size != -1:
             check_shard_widths("AWQ group_size", self.group_size, hf_config, tensor_parallel_size)
+
+    def experts_method_for(self, prefix: str, moe: nn.Module):
+        """A MoE layer's experts load AWQ tensors (packed_experts.py) unless modules_to_not_convert
+        names them."""
+        from kvtide.layers.quantization.packed_experts import AWQExpertsMethod
+
+        if any(name_matches(prefix, skip) or skip in prefix for skip in self.modules_to_not_convert):
+            return None
+        return AWQExpertsMethod(self.group_size, prefix)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.linear import LinearBase

@@ -72,6 +72,11 @@ class QuantizationConfig:
         its QuantizedWeight), or None: they stay float (checkpoint formats)."""
         return None
 
+    def experts_method_for(self, prefix: str, moe: nn.Module):
+        """The method that loads a MoE layer's experts in the checkpoint's format (create_weights,
+        process_weights_after_loading -> (w13 parts, w2 parts)), or None: float experts."""
+        return None
+
     def expert_kernel(self):
         """The GEMM of a quantized expert, (x, QuantizedWeight, bias) -> y: weight-only by default."""
         from kvtide.layers.quantization.weight_only import quantized_linear

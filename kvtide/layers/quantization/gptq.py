@@ -167,20 +167,28 @@ class GPTQMethod(WeightOnlyMethod):
         drop_parameters(layer, "weight")
 
     def process_weights_after_loading(self, layer: nn.Module) -> QuantizedWeight:
-        bits = self.config.bits
-        n, k = self.shape
-        codes = unpack_int32(layer.qweight.data, bits, dim=0)  # (K, N)
-        zeros = unpack_int32(layer.qzeros.data, bits, dim=1)  # (G, N)
-        if self.config.checkpoint_format == "gptq":
-            zeros = zeros + 1  # v1 stores z - 1
+        k = self.shape[1]
         g_idx = local_g_idx(layer, layer.g_idx.data if loaded(layer.g_idx) else None, k, self.group)
-        perm = group_order(g_idx, k, self.group, next(iter(self.modules.values())))
-        codes = codes.t()
-        if perm is not None:
-            codes = codes.index_select(1, perm)
-        qw = int_weight(codes, bits, layer.scales.data.t(), zeros.t(), self.group, perm)
+        qw = decode_gptq(layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx, self.config.bits,
+                         self.group, self.config.checkpoint_format, next(iter(self.modules.values())))
         drop_parameters(layer, *PARAMS)
         return qw
+
+
+def decode_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                bits: int, group: int, checkpoint_format: str, where: str) -> QuantizedWeight:
+    """One GPTQ weight's tensors (qweight (K / pack, N), qzeros (G, N / pack), scales (G, N), g_idx
+    (K,) or None) -> its QuantizedWeight, the input columns sorted by group under act-order."""
+    k = qweight.shape[0] * (32 // bits)
+    codes = unpack_int32(qweight, bits, dim=0)  # (K, N)
+    zeros = unpack_int32(qzeros, bits, dim=1)  # (G, N)
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1  # v1 stores z - 1
+    perm = group_order(g_idx, k, group, where)
+    codes = codes.t()
+    if perm is not None:
+        codes = codes.index_select(1, perm)
+    return int_weight(codes, bits, scales.t(), zeros.t(), group, perm)
 
 
 class GPTQConfig(QuantizationConfig):
@@ -240,6 +248,16 @@ class GPTQConfig(QuantizationConfig):
         if self.group_size != -1:
             check_shard_widths("GPTQ group_size", self.group_size, hf_config, tp)
         check_shard_widths(f"{self.bits}-bit GPTQ's packing (input rows per int32)", 32 // self.bits, hf_config, tp)
+
+    def experts_method_for(self, prefix: str, moe: nn.Module):
+        """A MoE layer's experts load GPTQ tensors (packed_experts.py) unless the config's module list
+        leaves them out."""
+        from kvtide.layers.quantization.packed_experts import GPTQExpertsMethod
+
+        if self.modules_in_block_to_quantize is not None and not any(
+                "experts." in pattern for pattern in self.modules_in_block_to_quantize):
+            return None
+        return GPTQExpertsMethod(self, prefix)
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         from kvtide.layers.embedding import LMHead, VocabEmbedding
