@@ -19,8 +19,9 @@
 // linear_panels is a candidate of layers/cpu_gemm.py's chooser (it is used only for the shapes and
 // row counts where it measures fastest and passes the numerics check). A decode step reads every
 // weight once, so a batch-1 linear is bound by memory: each thread streams a contiguous run of
-// panels (one 64-byte line per k), and a tile of up to 12 activation rows shares each weight load (below). Library
-// GEMVs on small shapes stayed at 14-17 GB/s on a Zen 5 EPYC, against 38 GB/s for a large one.
+// panels (one 64-byte line per k), and a tile of up to 12 activation rows shares each weight load
+// (below). Library GEMVs on small shapes stayed at 14-17 GB/s on a Zen 5 EPYC, against 38 GB/s for
+// a large one.
 //
 // Sums run in float32 in another order than torch's (vector lanes, then across them), so results
 // may differ from torch's in the last bits; the models' parity tests bound the effect.
