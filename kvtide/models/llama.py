@@ -229,7 +229,9 @@ class LlamaForCausalLM(nn.Module):
         aux: list[torch.Tensor] = []
         for i in range(self.start_layer, end):
             if i in self.aux_hidden_state_layers:
-                aux.append(hidden_states if residual is None else hidden_states + residual)
+                # The first layer takes its input as the residual, which the compiled add_rms_norm
+                # updates in place: keep a copy of it.
+                aux.append(hidden_states.clone() if residual is None else hidden_states + residual)
             hidden_states, residual = self.layers[i](cos_sin, hidden_states, residual, metadata)
         if self.aux_hidden_state_layers:
             self.aux_hidden_states = aux

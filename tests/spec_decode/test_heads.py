@@ -16,6 +16,7 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
 from kvtide.attention.backend import get_attention_backend
+from kvtide.layers.cpu_ops import use_cpu_ops
 from kvtide.models.loader import load_model
 from kvtide.sampling_params import SamplingParams
 from kvtide.spec_decode.heads.eagle import EagleDraftModel
@@ -374,9 +375,14 @@ def test_eagle3_aux_layers_are_the_targets_layer_inputs(target, tmp_path):
         draft.aux_layer_ids(shallow)
 
     # the engine sets the ids on the target; its aux states are HF's hidden_states[layer] (the layer's input)
-    from transformers import LlamaForCausalLM as HFLlama
-
     tokens = torch.randint(0, config.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(6))
+    aux = _aux_states(model, ids, tokens)
+    _assert_hf_layer_inputs(path, tokens, ids, aux)
+    assert draft.combine_features(torch.cat(aux, dim=-1)).shape == (SEQ, HIDDEN)
+
+
+def _aux_states(model, ids: tuple[int, ...], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The target's aux hidden states for layers `ids` after one prefill of `tokens`."""
     model.aux_hidden_state_layers = ids
     backend = get_attention_backend("torch")
     try:
@@ -388,16 +394,32 @@ def test_eagle3_aux_layers_are_the_targets_layer_inputs(target, tmp_path):
         step = prepare_step_inputs({"t": SEQ}, {"t": state}, BLOCK_SIZE, torch.device("cpu"))
         with torch.inference_mode():
             model(step.input_ids, step.positions, step.metadata)
-        aux = model.aux_hidden_states
+        return model.aux_hidden_states
     finally:
         model.aux_hidden_state_layers = ()
+
+
+def _assert_hf_layer_inputs(path: str, tokens: torch.Tensor, ids: tuple[int, ...], aux: list[torch.Tensor]) -> None:
+    from transformers import LlamaForCausalLM as HFLlama
+
     with torch.no_grad():
         hf_states = HFLlama.from_pretrained(path, dtype=torch.float32).eval()(
             tokens[None], output_hidden_states=True).hidden_states
-    assert len(aux) == 3
+    assert len(aux) == len(ids)
     for layer, state_ in zip(ids, aux, strict=True):
-        torch.testing.assert_close(state_, hf_states[layer][0], atol=ATOL, rtol=0)
-    assert draft.combine_features(torch.cat(aux, dim=-1)).shape == (SEQ, HIDDEN)
+        torch.testing.assert_close(state_, hf_states[layer][0], atol=ATOL, rtol=0, msg=f"layer {layer}")
+
+
+def test_aux_state_of_layer_0_is_the_embedding_under_the_compiled_ops(target):
+    """Layer 0's input is the embedding output, which layer 0 also takes as its residual; the
+    compiled add_rms_norm updates the residual in place, so the aux state must be a copy."""
+    path, config, _ = target
+    model = load_model(path, config, torch.float32, MAX_LEN, "cpu")
+    if not use_cpu_ops(model):
+        pytest.skip("the compiled CPU layer ops do not build here")
+    tokens = torch.randint(0, config.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(7))
+    ids = (0, 1, TARGET_LAYERS - 1)
+    _assert_hf_layer_inputs(path, tokens, ids, _aux_states(model, ids, tokens))
 
 
 # ---- EAGLE: bad checkpoints and layout detection ---------------------------------------------------------
