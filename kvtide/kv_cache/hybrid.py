@@ -70,6 +70,11 @@ def stage_slots(groups: tuple[KVCacheGroup, ...], layers: range) -> dict[int, tu
     return slots
 
 
+def num_slots(slots: dict[int, tuple[int, int]]) -> int:
+    """Slot tensors a rank binds for its stage_slots."""
+    return 1 + max(j for _, j in slots.values())
+
+
 def blocks_held(groups: tuple[KVCacheGroup, ...], num_tokens: int, max_step_tokens: int, block_size: int) -> int:
     """The most pool blocks one request of `num_tokens` KV tokens holds at once, over all its tables."""
     return sum(max_blocks_held(num_tokens, max_step_tokens, block_size, g.window) for g in groups)

@@ -16,7 +16,7 @@ import torch
 from kvtide.attention.backend import AttentionMetadata, get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.distributed import get_pp_group, get_tp_group
-from kvtide.kv_cache.hybrid import stage_slots
+from kvtide.kv_cache.hybrid import num_slots, stage_slots
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
@@ -171,7 +171,7 @@ class ModelRunner:
                      else kv_bytes_per_token(self.kv_cache_format, a.num_kv_heads, a.head_dim)
                      for a in self._cached_attention_layers()]
         if self.kv_groups:
-            return self.block_size * (1 + max(j for _, j in self._group_slots().values())) * max(per_layer)
+            return self.block_size * num_slots(self._group_slots()) * max(per_layer)
         return self.block_size * sum(per_layer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -216,7 +216,7 @@ class ModelRunner:
             "layer groups need one cache shape in every layer"
         shape = shapes.pop()
         slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
-                 for _ in range(1 + max(j for _, j in slots_of.values()))]
+                 for _ in range(num_slots(slots_of))]
         for i, attn in enumerate(layers):
             g, j = slots_of[start + i]
             attn.kv_cache = slots[j]

@@ -58,6 +58,13 @@ _WEIGHT_MAJOR_WINS: dict[tuple[int, int, int, int], bool] = {}
 """(N, K, bucket, torch threads) -> whether (w @ x.T).T measured faster than F.linear(x, w)."""
 
 
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): the T * k assignments (a = t * k + j) sorted by expert, stably so each
+    expert's tokens stay in order, and the count per id 0..E (E: skipped, sorted last)."""
+    flat_ids = topk_ids.reshape(-1)
+    return torch.argsort(flat_ids, stable=True), torch.bincount(flat_ids, minlength=num_experts + 1)
+
+
 def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   plans: list[tuple[GemmPlan | None, GemmPlan | None]] | None = None) -> torch.Tensor:
     """hidden (T, H), w13 (E, 2I, H) = [gate; up] rows, w2 (E, H, I), topk_* (T, k) -> (T, H):
@@ -74,9 +81,8 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     out = torch.zeros_like(hidden_states)
     if num_tokens == 0:
         return out
-    flat_ids = topk_ids.reshape(-1)  # (T * k,)
-    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, in token order
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()  # the one sync
+    order, counts_t = group_by_expert(topk_ids, num_experts)
+    counts = counts_t.tolist()  # the one sync
     num_routed = len(order) - counts[num_experts]  # assignments to id E sort last and are dropped
     if num_routed == 0:
         return out
@@ -111,11 +117,9 @@ def fused_experts_on_panels(hidden_states: torch.Tensor, panels: tuple[torch.Ten
     w13_panels, w2_panels = panels
     num_experts = w13_panels.shape[0]
     intermediate = w2_panels.shape[2]
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    order, counts = group_by_expert(topk_ids, num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    torch.cumsum(counts[:num_experts], 0, out=offsets[1:])
     weights = topk_weights.reshape(-1).to(torch.float32).index_select(0, order)
     return layer_ops.moe_experts(hidden_states, order // topk_ids.shape[1], weights, offsets, w13_panels,
                                  w2_panels, intermediate)

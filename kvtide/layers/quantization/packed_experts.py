@@ -102,18 +102,19 @@ class PackedExpertsMethod:
                                  f"expected {tuple(target.shape)} (the config declares {self.bits}-bit "
                                  f"{self.format_name}, group_size={self.group_size})")
             target.copy_(loaded)
-            param.shards_seen = getattr(param, "shards_seen", set()) | {shard_id}  # type: ignore[attr-defined]
+            param.shard_seen = True  # type: ignore[attr-defined]  # as quant_parameter marks it (gptq.loaded)
 
         return load
 
     def process_weights_after_loading(self, moe: nn.Module) -> tuple[list[QuantizedWeight], list[QuantizedWeight]]:
         """Each local expert's (w13, w2) QuantizedWeights; drops the format's parameters."""
+        from kvtide.layers.quantization.gptq import loaded
+
         out: dict[str, list[QuantizedWeight]] = {}
         for proj in ("w13", "w2"):
             params = {name.removeprefix(f"{proj}_"): p for name, p in moe.named_parameters(recurse=False)
                       if name.startswith(f"{proj}_")}
-            present = {kind: p for kind, p in params.items() if kind not in self.optional
-                       or getattr(p, "shards_seen", None)}
+            present = {kind: p for kind, p in params.items() if kind not in self.optional or loaded(p)}
             out[proj] = [self.decode({kind: p.data[slot] for kind, p in present.items()}, self.groups[proj],
                                      f"{self.where}.{expert}.{proj}")
                          for slot, expert in enumerate(moe.local_experts)]

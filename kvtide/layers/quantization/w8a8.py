@@ -89,7 +89,6 @@ class W8A8Method(QuantizeMethod):
         if qw.kind != "int8" or qw.mins is not None or qw.group_size != qw.in_features:
             raise ValueError("W8A8 needs int8 symmetric weights with one scale per output channel")
         layer.w8a8_input_scale = input_scale
-        layer.w8a8_weight_scale = qw.scales.reshape(1, -1)
         return qw
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,23 +100,26 @@ class W8A8Method(QuantizeMethod):
         smooth = getattr(layer, "qsmooth", None)
         if smooth is not None:
             x2 = x2 / smooth
-        codes, scale = quantize_per_token_int8(x2, layer.w8a8_input_scale, row_parallel_token_max(layer, x2))
-        y = int8_matmul(codes, qw.codes).float() * scale * layer.w8a8_weight_scale
-        if bias is not None:
-            y += bias
+        y = int8_linear(x2, qw, bias, layer.w8a8_input_scale, row_parallel_token_max(layer, x2))
         return y.to(x.dtype).reshape(*shape[:-1], qw.out_features)
 
 
-def w8a8_expert_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A MoE expert's GEMM under w8a8 (FusedMoE.expert_kernel): x (M, K) rounded to int8 per row
-    (each row is one token's), times the expert's per-channel int8 codes, as W8A8Method.apply does.
-    Experts are not smoothed: calibration observes the linears, and an expert sees only the tokens
-    routed to it."""
-    codes, scale = quantize_per_token_int8(x)
+def int8_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+                static_scale: torch.Tensor | None = None, row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) rounded to int8 per row (quantize_per_token_int8) times qw's per-channel int8 codes,
+    scaled back: (M, N) float32."""
+    codes, scale = quantize_per_token_int8(x, static_scale, row_max)
     y = int8_matmul(codes, qw.codes).float() * scale * qw.scales.reshape(1, -1)
     if bias is not None:
         y += bias
-    return y.to(x.dtype)
+    return y
+
+
+def w8a8_expert_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A MoE expert's GEMM under w8a8 (FusedMoE.expert_kernel): int8_linear over the rows routed to
+    it, one token each. Experts are not smoothed: calibration observes the linears, and an expert
+    sees only the tokens routed to it."""
+    return int8_linear(x, qw, bias).to(x.dtype)
 
 
 class SmoothQuantMethod(W8A8Method):
