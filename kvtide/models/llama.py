@@ -122,6 +122,8 @@ class LlamaForCausalLM(nn.Module):
     o_bias_from_config = True
     """Whether config.attention_bias also puts a bias on o_proj (not in Qwen2)."""
     qk_norm = False
+    fused_decode = None
+    """On the CPU, the decoder layers in one compiled call each for decode steps (layers/fused_decode.py)."""
     # checkpoint name -> (fused parameter name, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -227,6 +229,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions)
         end = self.end_layer if num_layers is None else num_layers
         aux: list[torch.Tensor] = []
+        fused = self.fused_decode
+        if fused is not None and not self.aux_hidden_state_layers and fused.applies(hidden_states, metadata):
+            hidden_states, residual = fused.run(cos_sin, hidden_states, residual, metadata, end)
+            end = self.start_layer  # every layer ran
         for i in range(self.start_layer, end):
             if i in self.aux_hidden_state_layers:
                 # The first layer takes its input as the residual, which the compiled add_rms_norm

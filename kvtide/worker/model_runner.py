@@ -22,6 +22,7 @@ from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, res
 from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.cpu_ops import use_cpu_ops
+from kvtide.layers.fused_decode import use_fused_decode
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
@@ -114,6 +115,7 @@ class ModelRunner:
             keep_large_allocations_on_heap()
             prepack_weights(self.model, config.device_config.cpu_weight_prepack)
             use_cpu_ops(self.model)  # compiled RMSNorm, rotary, SiLU-and-mul (layers/cpu_ops.py)
+            use_fused_decode(self.model)  # a decoder layer per compiled call at decode (layers/fused_decode.py)
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None
         if config.speculative_config is not None:

@@ -15,6 +15,10 @@
 //                                               side by side for every k
 //   moe_experts(out, hidden, token_idx, ...)    a MoE layer's experts: gather the routed rows, w13 on
 //                                               panels, SiLU-and-mul, w2 on panels, weighted sum
+//   decode_layer(x, residual, ...) -> out       a dense Llama-family decoder layer for decode rows:
+//                                               the ops above in the module path's order, with the
+//                                               K/V write and paged attention of the attention
+//                                               library called through the dispatcher
 //
 // linear_panels is a candidate of layers/cpu_gemm.py's chooser (it is used only for the shapes and
 // row counts where it measures fastest and passes the numerics check). A decode step reads every
@@ -31,14 +35,19 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #ifndef KVTIDE_OPS_NS
@@ -448,6 +457,85 @@ void moe_experts(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& to
   });
 }
 
+// ---- a dense decoder layer for decode rows ---------------------------------------------------------
+// Batch-1 decode of a narrow model pays per op, not per FLOP: SmolLM2's layer is ~12 Python module
+// calls around 9 compiled ops, ~150 us a layer of interpreter time against ~25 us of norms, rotary
+// and attention. This runs the layer as the module path does (same ops, same order, same buffers'
+// shapes: bit-identical results) from one call. The attention library is a separate build (its own
+// op namespace, passed in), reached through the dispatcher.
+using AttentionFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, int64_t, double, int64_t, int64_t, int64_t);
+using WriteKvFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&);
+
+struct AttentionOps {
+  c10::TypedOperatorHandle<AttentionFn> attention;
+  c10::TypedOperatorHandle<WriteKvFn> write_kv;
+};
+
+const AttentionOps& attention_ops(const std::string& ns) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, AttentionOps> ops;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = ops.find(ns);
+  if (found == ops.end()) {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    AttentionOps handles{dispatcher.findSchemaOrThrow((ns + "::paged_attention").c_str(), "").typed<AttentionFn>(),
+                         dispatcher.findSchemaOrThrow((ns + "::write_kv").c_str(), "").typed<WriteKvFn>()};
+    found = ops.emplace(ns, handles).first;
+  }
+  return found->second;
+}
+
+at::Tensor panels_product(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                          int64_t n) {
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  linear_panels(out, x, panels, bias);
+  return out;
+}
+
+at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_panels,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_panels,
+                        const std::optional<at::Tensor>& o_bias, const at::Tensor& gate_up_panels,
+                        const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_panels,
+                        const std::optional<at::Tensor>& down_bias, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
+                        int64_t sink_tokens, c10::string_view attention_ns) {
+  check_rows(x, "x");
+  TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be (2, H_kv, blocks, block_size, D), got ",
+              kv_cache.sizes());
+  const int64_t m = x.size(0), h = x.size(1), d = kv_cache.size(4);
+  const AttentionOps& ops = attention_ops(std::string(attention_ns));
+  // input_layernorm: the first layer's residual is its input itself
+  at::Tensor normed = at::empty_like(x);
+  if (first) {
+    rms_norm(normed, x, input_norm, eps);
+  } else {
+    add_rms_norm(normed, x, residual, input_norm, eps);
+  }
+  // q | k | v by head, q and k rotated together, K/V into the cache, attention over it
+  const at::Tensor heads = panels_product(normed, qkv_panels, qkv_bias, (num_heads + 2 * num_kv_heads) * d)
+                               .view({m, num_heads + 2 * num_kv_heads, d});
+  at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
+  rotary_embedding(qk, cos, sin);
+  const at::Tensor q = heads.narrow(1, 0, num_heads);
+  ops.write_kv.call(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+                    kv_cache, slot_mapping);
+  at::Tensor attended = at::empty({m, num_heads, d}, x.options());
+  ops.attention.call(attended, q, kv_cache, block_tables, seq_lens, query_start_loc, num_rows, scale, window, 0,
+                     sink_tokens);
+  const at::Tensor projected = panels_product(attended.view({m, num_heads * d}), o_panels, o_bias, h);
+  // post_attention_layernorm, then the gated MLP
+  at::Tensor normed_mlp = at::empty_like(x);
+  add_rms_norm(normed_mlp, projected, residual, post_norm, eps);
+  const at::Tensor gate_up = panels_product(normed_mlp, gate_up_panels, gate_up_bias, 2 * intermediate);
+  at::Tensor activated = at::empty({m, intermediate}, x.options());
+  silu_and_mul(activated, gate_up);
+  return panels_product(activated, down_panels, down_bias, h);
+}
+
 }  // namespace
 }  // namespace KVTIDE_OPS_NS
 
@@ -460,4 +548,11 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
   m.def("linear_panels(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &KVTIDE_OPS_NS::linear_panels);
   m.def("moe_experts(Tensor(a!) out, Tensor hidden, Tensor token_idx, Tensor weights, Tensor offsets, "
         "Tensor w13_panels, Tensor w2_panels, int intermediate) -> ()", &KVTIDE_OPS_NS::moe_experts);
+  m.def("decode_layer(Tensor x, Tensor(a!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_panels, Tensor? qkv_bias, Tensor o_panels, Tensor? o_bias, Tensor gate_up_panels, "
+        "Tensor? gate_up_bias, Tensor down_panels, Tensor? down_bias, int num_heads, int num_kv_heads, "
+        "int intermediate, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale, int window, int sink_tokens, "
+        "str attention_ns) -> Tensor",
+        &KVTIDE_OPS_NS::decode_layer);
 }

@@ -1,0 +1,158 @@
+"""A dense Llama-family model's decoder layers in one compiled call each, for decode steps on the CPU.
+
+At batch 1 a narrow model's step is mostly fixed cost: SmolLM2 runs ~12 module calls and ~16
+aten ops a layer around its GEMMs, ~150 us of interpreter time a layer on a Zen 4 core (30 layers:
+~4.5 ms of a ~20-30 ms step). `decode_layer` (csrc/layer_ops.cpp) runs the same compiled ops in the
+same order from one call, so the results are bit-identical to the module path's; this module
+decides where it may run and feeds it.
+
+Where: every layer a plain `LlamaDecoderLayer` (dense gated-SiLU MLP, GQA attention without q/k
+norms, tensor-parallel world size 1) whose four linears all chose the panel kernel (cpu_gemm) at the
+step's row count, the compiled element-wise ops installed (cpu_ops), float32 KV caches written and
+read by the CPU backend's compiled ops. When (per step): every request row is a kernel row (no
+prefill chunk longer than the kernel's query length), no KV drop policy or attention-mass
+bookkeeping, one KV-group layout. Anything else takes the module path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from kvtide.attention.backend import AttentionMetadata
+from kvtide.attention.cpu_backend import CpuAttentionBackend
+from kvtide.kv_compression.attention_mass import MASS_KEY
+from kvtide.layers import cpu_gemm, layer_ops
+from kvtide.layers.cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+
+logger = logging.getLogger(__name__)
+
+
+class FusedDecodeLayers:
+    """The per-layer arguments `decode_layer` takes, and the per-step check of whether it applies."""
+
+    def __init__(self, layers: list[nn.Module], start: int, rows_ok: list[bool]) -> None:
+        self.layers = layers
+        self.start = start
+        """Index of layers[0] in the model (pipeline stages hold a range)."""
+        self.rows_ok = rows_ok
+        """rows_ok[r]: every linear runs the panel kernel at r rows (r <= cpu_gemm.MAX_DECODE_ROWS)."""
+        self.attentions = [layer.self_attn.attn for layer in layers]
+        self._op = layer_ops.layer_op("decode_layer")
+        self._args: list[tuple[tuple, torch.Tensor, tuple]] = []
+        self._caches: list[torch.Tensor | None] = []
+
+    def applies(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        rows = hidden_states.shape[0]
+        if not (0 < rows < len(self.rows_ok) and self.rows_ok[rows]) or hidden_states.dtype != torch.float32:
+            return False
+        if metadata.groups is not None or metadata.has_dropped_blocks or MASS_KEY in metadata.backend_data:
+            return False
+        caches = [attn.kv_cache for attn in self.attentions]
+        if caches != self._caches:  # bound, rebound or released since the last step
+            if not all(_attends_fused(attn) for attn in self.attentions):
+                return False
+            self._args = [_layer_args(layer) for layer in self.layers]
+            self._caches = caches
+        runs, others = CpuAttentionBackend._split_rows(metadata)
+        return not others and len(runs) == 1
+
+    def run(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+            residual: torch.Tensor | None, metadata: AttentionMetadata, end: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end) over hidden_states (and residual: None before the model's first
+        layer); call only when `applies` said so for this step."""
+        (block_tables, seq_lens, query_start_loc, num_rows), = CpuAttentionBackend._split_rows(metadata)[0]
+        cos, sin = cos_sin
+        op = self._op
+        for weights, cache, constants in self._args[:end - self.start]:
+            first = residual is None
+            if first:
+                residual = hidden_states
+            hidden_states = op(hidden_states, residual, first, *weights, cos, sin, cache, metadata.slot_mapping,
+                               block_tables, seq_lens, query_start_loc, num_rows, *constants)
+        return hidden_states, residual
+
+
+def _layer_args(layer: nn.Module) -> tuple[tuple, torch.Tensor, tuple]:
+    """(weights, KV cache, attention constants) of one layer, in decode_layer's argument order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    weights = (norm.weight, layer.post_attention_layernorm.weight, norm.eps,
+               _panels(attn.qkv_proj), attn.qkv_proj.bias, _panels(attn.o_proj), attn.o_proj.bias,
+               _panels(mlp.gate_up_proj), mlp.gate_up_proj.bias, _panels(mlp.down_proj), mlp.down_proj.bias,
+               attn.num_heads, attn.num_kv_heads, mlp.down_proj.weight.shape[1])
+    kernel = attn.attn.backend._op
+    constants = (attn.attn.scale, attn.attn.sliding_window or 0, attn.attn.sink_tokens,
+                 kernel._qualified_op_name.split("::")[0])
+    return weights, attn.attn.kv_cache, constants
+
+
+def _panels(linear: nn.Module) -> torch.Tensor:
+    return linear.gemm_plan.packed["panels"]
+
+
+def _attends_fused(attn: nn.Module) -> bool:
+    """The layer's K/V go through the CPU backend's float kernels (as the module path would send them)."""
+    backend, cache = attn.backend, attn.kv_cache
+    return (isinstance(backend, CpuAttentionBackend) and backend.kv_quant is None and backend._op is not None
+            and backend._write_float_op is not None and cache is not None and cache.dtype == torch.float32
+            and cache.dim() == 5 and not attn.calculate_kv_scales)
+
+
+def _eligible(layer: nn.Module) -> str | None:
+    """Why `layer` cannot run fused, or None (its attention backend and cache are checked per step)."""
+    from kvtide.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if type(layer) is not LlamaDecoderLayer:
+        return f"{type(layer).__name__} is not a dense Llama decoder layer"
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not LlamaAttention or attn.q_norm is not None:
+        return "attention with q/k norms or of another kind"
+    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not CpuSiluAndMul:
+        return "not a gated-SiLU MLP with the compiled activation"
+    if not (type(layer.input_layernorm) is CpuRMSNorm and type(layer.post_attention_layernorm) is CpuRMSNorm
+            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and type(attn.rotary_emb) is CpuRotaryEmbedding):
+        return "the compiled norms and rotary are not installed"
+    if attn.o_proj.tp.world_size != 1:
+        return "tensor parallel"
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if linear.quantized is not None or linear.gemm_plan is None or "panels" not in linear.gemm_plan.packed:
+            return "a linear without the panel kernel"
+    return None
+
+
+def panel_rows(layers: list[nn.Module]) -> list[bool]:
+    """rows_ok[r] for r in 0..MAX_DECODE_ROWS: all four linears of every layer run panels at r rows."""
+    run = cpu_gemm.CANDIDATES["panels"].run
+    linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return [rows > 0 and all(linear.gemm_plan.by_rows[rows][0] is run for linear in linears)
+            for rows in range(cpu_gemm.MAX_DECODE_ROWS + 1)]
+
+
+def use_fused_decode(model: nn.Module) -> bool:
+    """Give `model` FusedDecodeLayers where it is a Llama-family model whose every layer is eligible
+    (after cpu_gemm.prepack_weights and cpu_ops.use_cpu_ops); returns whether it did. Off with
+    KVTIDE_FUSED_DECODE=0."""
+    from kvtide.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return False
+    model.fused_decode = None
+    if os.environ.get("KVTIDE_FUSED_DECODE", "1") == "0" or layer_ops.layer_op("decode_layer") is None:
+        return False
+    layers = list(model.layers[model.start_layer:model.end_layer])
+    reasons = {why for layer in layers if (why := _eligible(layer)) is not None}
+    rows_ok = panel_rows(layers) if layers and not reasons else []
+    if not any(rows_ok):
+        logger.info("fused decode layers: off (%s)", "; ".join(sorted(reasons)) or "no row count runs the panel "
+                    "kernel on every linear")
+        return False
+    model.fused_decode = FusedDecodeLayers(layers, model.start_layer, rows_ok)
+    logger.info("fused decode layers: on at %s rows", ", ".join(str(r) for r, ok in enumerate(rows_ok) if ok))
+    return True

@@ -1,0 +1,123 @@
+"""Fused decode layers (kvtide/layers/fused_decode.py, decode_layer in csrc/layer_ops.cpp): where a
+step runs the decoder layers one compiled call each, its tokens and logprobs are bit-identical to the
+module path's, and the fast path stands aside wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtide import LLM, SamplingParams
+from kvtide.layers import cpu_gemm, fused_decode, layer_ops
+
+pytestmark = pytest.mark.skipif(layer_ops.layer_op("decode_layer") is None, reason="no C++ compiler here")
+
+PROMPTS = [f"prompt {i}: " + "ab" * (3 + i % 5) for i in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def _panels_everywhere(tmp_path, monkeypatch):
+    """The GEMM chooser picks the panel kernel on every shape and row count (numerics still checked;
+    timing faked), so the fused path applies at every decode row count; a verdict cache of its own."""
+    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_gemm, "_time_calls", lambda fns: {
+        name: 1e-6 if name == "panels" else 1e-4 if name == cpu_gemm.F_LINEAR else 1e-3 for name in fns})
+
+
+@pytest.fixture
+def fused_rows(monkeypatch):
+    """The row count of every step the fused path ran."""
+    rows: list[int] = []
+    run = fused_decode.FusedDecodeLayers.run
+
+    def counted(self, cos_sin, hidden_states, *args):
+        rows.append(hidden_states.shape[0])
+        return run(self, cos_sin, hidden_states, *args)
+
+    monkeypatch.setattr(fused_decode.FusedDecodeLayers, "run", counted)
+    return rows
+
+
+def _generate(model_dir: str, fused: bool, monkeypatch, batched: bool = True, **engine_args):
+    monkeypatch.setenv("KVTIDE_FUSED_DECODE", "1" if fused else "0")
+    llm = LLM(model=model_dir, cpu_weight_prepack="on", kv_cache_memory="64MiB", **engine_args)
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    if batched:
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    else:
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in PROMPTS[:2]]
+    return llm, [(o.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize("architecture, config", [
+    ("LlamaForCausalLM", {}),
+    ("Qwen2ForCausalLM", {}),  # a bias on q, k and v
+    ("MistralForCausalLM", {"sliding_window": 6}),  # the window cuts into every context here
+    ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32}),  # GQA 8:1
+])
+@pytest.mark.parametrize("batched", [False, True])
+def test_fused_steps_are_bit_identical_to_the_module_path(checkpoint_factory, monkeypatch, fused_rows,
+                                                          architecture, config, batched):
+    model_dir = checkpoint_factory(architecture, **config)
+    llm, fused = _generate(model_dir, True, monkeypatch, batched)
+    assert llm.engine.core.executor.runner.model.fused_decode is not None
+    # the decode steps ran fused: batch 1, or several requests together
+    assert fused_rows and (max(fused_rows) > 1 if batched else set(fused_rows) == {1}), fused_rows
+    steps = len(fused_rows)
+    _, reference = _generate(model_dir, False, monkeypatch, batched)
+    assert len(fused_rows) == steps  # switched off: never ran
+    assert fused == reference  # tokens and top logprobs, exactly
+
+
+def test_speculative_drafts_and_verification_rows_run_fused(checkpoint_factory, monkeypatch, fused_rows):
+    # self-speculation at batch 1: drafts run the first 2 of 4 layers fused (1 row), the verification
+    # rows hold 3 query tokens (2 drafts and the bonus position)
+    model_dir = checkpoint_factory("LlamaForCausalLM")
+    spec = {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 2, "adaptive": False}
+    _, fused = _generate(model_dir, True, monkeypatch, batched=False, speculative_config=spec)
+    assert {1, 3} <= set(fused_rows), fused_rows
+    _, plain = _generate(model_dir, False, monkeypatch, batched=False)
+    assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in plain]
+    for (_, fused_logprobs), (_, plain_logprobs) in zip(fused, plain, strict=True):
+        for fused_step, plain_step in zip(fused_logprobs, plain_logprobs, strict=True):
+            assert fused_step == pytest.approx(plain_step, abs=1e-4)  # verified in a batch of 3 rows
+
+
+@pytest.mark.parametrize("architecture, engine_args, reason", [
+    ("Qwen3ForCausalLM", {}, "q/k norms"),
+    ("LlamaForCausalLM", {"quantization": "int8"}, "panel kernel"),
+])
+def test_ineligible_models_keep_the_module_path(checkpoint_factory, monkeypatch, caplog, fused_rows,
+                                                architecture, engine_args, reason):
+    model_dir = checkpoint_factory(architecture)
+    with caplog.at_level("INFO", logger="kvtide.layers.fused_decode"):
+        llm, _ = _generate(model_dir, True, monkeypatch, **engine_args)
+    assert llm.engine.core.executor.runner.model.fused_decode is None
+    assert reason in caplog.text
+    assert fused_rows == []
+
+
+def test_a_quantized_kv_cache_steps_aside_per_step(checkpoint_factory, monkeypatch, fused_rows):
+    model_dir = checkpoint_factory("LlamaForCausalLM")
+    llm, _ = _generate(model_dir, True, monkeypatch, kv_cache_dtype="int8")
+    assert llm.engine.core.executor.runner.model.fused_decode is not None
+    assert fused_rows == []  # the caches are not float32: every step took the module path
+
+
+def test_bad_input_is_refused_with_a_message(checkpoint_factory, monkeypatch):
+    op = layer_ops.layer_op("decode_layer")
+    model_dir = checkpoint_factory("LlamaForCausalLM")
+    monkeypatch.setenv("KVTIDE_FUSED_DECODE", "1")
+    llm = LLM(model=model_dir, cpu_weight_prepack="on", kv_cache_memory="64MiB")
+    model = llm.engine.core.executor.runner.model
+    weights, cache, constants = fused_decode._layer_args(model.layers[0])
+    x = torch.zeros(1, model.config.hidden_size)
+    cos = sin = torch.zeros(1, 1, cache.shape[-1] // 2)
+    rows = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 1)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):
+        op(x, x, True, *weights, cos, sin, cache[0], *rows, *constants)
+    with pytest.raises(RuntimeError, match="panels must be float32"):
+        bad = list(weights)
+        bad[3] = bad[3][:, :-1]  # qkv panels with the wrong K
+        op(x, x, True, *bad, cos, sin, cache, *rows, *constants)
