@@ -80,6 +80,12 @@ def linear_panels(x: torch.Tensor, n: int, panels: torch.Tensor, bias: torch.Ten
     return out
 
 
+def set_panel_prefetch(rows: int) -> None:
+    """How many panel rows (64-byte lines) ahead the panel kernels prefetch; 0: none (the hardware
+    prefetcher alone). Process-wide; cpu_gemm measures the best per machine."""
+    layer_op("set_panel_prefetch")(rows)
+
+
 def moe_experts(hidden: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                 w13_panels: torch.Tensor, w2_panels: torch.Tensor, intermediate: int) -> torch.Tensor:
     """A MoE layer's experts in one call: hidden (T, H) float32; the assignments sorted by expert,

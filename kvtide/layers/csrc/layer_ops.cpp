@@ -13,6 +13,7 @@
 //   linear_panels(out, x, panels, bias)         out = x @ W^T (+ bias) for a few rows, W packed as
 //                                               panels (ceil(N / 16), K, 16): 16 output columns
 //                                               side by side for every k
+//   set_panel_prefetch(rows)                    how far ahead the panel kernels prefetch (0: none)
 //   moe_experts(out, hidden, token_idx, ...)    a MoE layer's experts: gather the routed rows, w13 on
 //                                               panels, SiLU-and-mul, w2 on panels, weighted sum
 //   decode_layer(x, residual, ...) -> out       a dense Llama-family decoder layer for decode rows:
@@ -42,6 +43,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -63,7 +65,10 @@ constexpr int64_t kV = Vec::size();
 constexpr int64_t kPanel = 16;  // output columns per weight panel
 static_assert(kPanel % kV == 0, "a panel holds whole vectors");
 constexpr int64_t kPanelVecs = kPanel / kV;
-constexpr int64_t kPrefetchRows = 32;  // panel rows (64-byte lines) read ahead of the FMAs
+// Panel rows (64-byte lines) a panel tile prefetches ahead of its FMAs, 0 for none: measured per
+// machine (layers/cpu_gemm.py, set_panel_prefetch), since it helps on some CPUs and costs on others
+// (a Zen 4 EPYC streams 15-20% faster on its hardware prefetcher alone).
+std::atomic<int64_t> g_panel_prefetch{32};
 // Elements per parallel chunk of the row-wise ops: below this, one thread (a fork costs more).
 constexpr int64_t kElementsPerTask = 1 << 15;
 
@@ -235,10 +240,13 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panels, int64_t
     for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 32
       for (int64_t v = 0; v < PV; ++v) acc[u][r][v] = Vec(0.f);
+  const int64_t prefetch = g_panel_prefetch.load(std::memory_order_relaxed);
   int64_t kk = 0;
   for (; kk + U <= k; kk += U) {
+    if (prefetch > 0) {
 #pragma GCC unroll 4
-    for (int64_t p = 0; p < P; ++p) __builtin_prefetch(panels + p * panel_stride + (kk + kPrefetchRows) * kPanel, 0, 3);
+      for (int64_t p = 0; p < P; ++p) __builtin_prefetch(panels + p * panel_stride + (kk + prefetch) * kPanel, 0, 3);
+    }
 #pragma GCC unroll 4
     for (int64_t u = 0; u < U; ++u) {
       Vec wv[PV];
@@ -486,6 +494,11 @@ const AttentionOps& attention_ops(const std::string& ns) {
   return found->second;
 }
 
+void set_panel_prefetch(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 1024, "set_panel_prefetch: rows must be in [0, 1024], got ", rows);
+  g_panel_prefetch.store(rows, std::memory_order_relaxed);
+}
+
 at::Tensor panels_product(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                           int64_t n) {
   at::Tensor out = at::empty({x.size(0), n}, x.options());
@@ -548,6 +561,7 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
   m.def("linear_panels(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &KVTIDE_OPS_NS::linear_panels);
   m.def("moe_experts(Tensor(a!) out, Tensor hidden, Tensor token_idx, Tensor weights, Tensor offsets, "
         "Tensor w13_panels, Tensor w2_panels, int intermediate) -> ()", &KVTIDE_OPS_NS::moe_experts);
+  m.def("set_panel_prefetch(int rows) -> ()", &KVTIDE_OPS_NS::set_panel_prefetch);
   m.def("decode_layer(Tensor x, Tensor(a!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_panels, Tensor? qkv_bias, Tensor o_panels, Tensor? o_bias, Tensor gate_up_panels, "
         "Tensor? gate_up_bias, Tensor down_panels, Tensor? down_bias, int num_heads, int num_kv_heads, "
