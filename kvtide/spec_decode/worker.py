@@ -25,6 +25,8 @@ import torch
 
 from kvtide.config import EngineConfig
 from kvtide.layers.cpu_gemm import prepack_weights
+from kvtide.layers.cpu_ops import use_cpu_ops
+from kvtide.layers.fused_decode import use_fused_decode
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
 from kvtide.sampling.ops import compute_top_logprobs
@@ -72,8 +74,10 @@ class SpecDecodeWorker:
         elif spec.method == "draft_model":
             mc = config.model_config
             self.draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
-            if device.type == "cpu":
+            if device.type == "cpu":  # the target's CPU kernels (worker/model_runner.py)
                 prepack_weights(self.draft_model, config.device_config.cpu_weight_prepack)
+                use_cpu_ops(self.draft_model)
+                use_fused_decode(self.draft_model)
             self.chain = ChainProposer(self._draft_forward, self.draft_model.compute_logits, self.block_size,
                                        device, catch_up=True, sampler=draft_sampler, vocab_size=vocab_size,
                                        seed=config.model_config.seed)

@@ -168,6 +168,23 @@ def test_verdicts_are_cached_per_machine_and_reused(monkeypatch, tmp_path):
     assert len(glob.glob(os.path.join(tmp_path, "cache", "gemm", "*.json"))) == 2
 
 
+def test_the_panel_prefetch_is_measured_once_per_machine(monkeypatch, tmp_path):
+    if not CANDIDATES["panels"].available():
+        pytest.skip("the panel kernel is not built here")
+    measured = cpu_gemm.measure_panel_prefetch(rounds=1)  # for real: every distance timed
+    assert set(measured) == set(cpu_gemm.PANEL_PREFETCH_CHOICES) and all(0 < t < 1 for t in measured.values())
+    set_to = []
+    monkeypatch.setattr(cpu_gemm.layer_ops, "set_panel_prefetch", set_to.append)
+    monkeypatch.setattr(cpu_gemm, "measure_panel_prefetch", lambda: {0: 3e-4, 32: 1e-4, 128: 2e-4})
+    _fake_timing(monkeypatch, "onednn-packed")
+    prepack_weights(_layers(), "auto")
+    assert set_to == [32]
+    monkeypatch.setattr(cpu_gemm, "measure_panel_prefetch", lambda: pytest.fail("measured on a warm start"))
+    prepack_weights(_layers(seed=1), "auto")  # read back with the shapes' verdicts
+    assert set_to == [32, 32]
+    assert len(cpu_gemm.load_cache(cpu_gemm.cache_path())) == 3
+
+
 def test_off_never_packs_or_measures(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda *a: pytest.fail("measured with 'off'"))
     model = _layers()

@@ -24,14 +24,22 @@ def _panels_everywhere(tmp_path, monkeypatch):
         name: 1e-6 if name == "panels" else 1e-4 if name == cpu_gemm.F_LINEAR else 1e-3 for name in fns})
 
 
+class FusedCalls(list):
+    """The row count of every step the fused path ran, and (`owners`) whose layers ran it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: list[fused_decode.FusedDecodeLayers] = []
+
+
 @pytest.fixture
 def fused_rows(monkeypatch):
-    """The row count of every step the fused path ran."""
-    rows: list[int] = []
+    rows = FusedCalls()
     run = fused_decode.FusedDecodeLayers.run
 
     def counted(self, cos_sin, hidden_states, *args):
         rows.append(hidden_states.shape[0])
+        rows.owners.append(self)
         return run(self, cos_sin, hidden_states, *args)
 
     monkeypatch.setattr(fused_decode.FusedDecodeLayers, "run", counted)
@@ -81,6 +89,19 @@ def test_speculative_drafts_and_verification_rows_run_fused(checkpoint_factory, 
     for (_, fused_logprobs), (_, plain_logprobs) in zip(fused, plain, strict=True):
         for fused_step, plain_step in zip(fused_logprobs, plain_logprobs, strict=True):
             assert fused_step == pytest.approx(plain_step, abs=1e-4)  # verified in a batch of 3 rows
+
+
+def test_a_draft_model_decodes_fused_too(checkpoint_factory, monkeypatch, fused_rows):
+    model_dir = checkpoint_factory("LlamaForCausalLM")
+    draft_dir = checkpoint_factory("LlamaForCausalLM", seed=0, num_hidden_layers=2)
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2, "adaptive": False}
+    llm, fused = _generate(model_dir, True, monkeypatch, batched=False, speculative_config=spec)
+    draft = llm.engine.core.executor.runner.spec.draft_model
+    assert draft.fused_decode is not None
+    assert draft.fused_decode in fused_rows.owners  # the draft's steps ran fused
+    assert llm.engine.core.executor.runner.model.fused_decode in fused_rows.owners  # and the target's
+    _, plain = _generate(model_dir, False, monkeypatch, batched=False)
+    assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in plain]
 
 
 @pytest.mark.parametrize("architecture, engine_args, reason", [

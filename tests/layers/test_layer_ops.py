@@ -132,6 +132,22 @@ def test_linear_panels_splits_over_two_threads_with_the_same_result():
     assert torch.equal(one, two)  # each output column is summed by one thread, in one order
 
 
+def test_the_prefetch_distance_changes_speed_only():
+    weight, x = torch.randn(700, 300), torch.randn(5, 300)
+    panels = layer_ops.pack_panels(weight)
+    outputs = []
+    try:
+        for distance in (0, 1, 32, 1024):
+            layer_ops.set_panel_prefetch(distance)
+            outputs += [layer_ops.linear_panels(x[:rows], 700, panels, None) for rows in (1, 5)]
+    finally:
+        layer_ops.set_panel_prefetch(32)
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs[2:], outputs[:2] * 3))
+    for bad in (-1, 1025):
+        with pytest.raises(RuntimeError, match="rows must be in"):
+            layer_ops.set_panel_prefetch(bad)
+
+
 def test_bad_input_is_refused_with_a_message():
     isa = ISAS[0]
     x = torch.randn(2, 8)
