@@ -24,6 +24,7 @@ from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
 from kvtide.attention.cpu_backend import CpuAttentionBackend
+from kvtide.attention.cpu_extension import load_paged_attention
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.layers import cpu_gemm, layer_ops
 from kvtide.layers.cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
@@ -32,63 +33,61 @@ logger = logging.getLogger(__name__)
 
 
 class FusedDecodeLayers:
-    """The per-layer arguments `decode_layer` takes, and the per-step check of whether it applies."""
+    """The per-layer arguments `decode_layer` takes, and the per-step check of whether it applies.
+    Holds the layers' weights, never their KV caches (which the runner frees and rebinds)."""
 
     def __init__(self, layers: list[nn.Module], start: int, rows_ok: list[bool]) -> None:
-        self.layers = layers
         self.start = start
         """Index of layers[0] in the model (pipeline stages hold a range)."""
         self.rows_ok = rows_ok
         """rows_ok[r]: every linear runs the panel kernel at r rows (r <= cpu_gemm.MAX_DECODE_ROWS)."""
         self.attentions = [layer.self_attn.attn for layer in layers]
+        self.layer_weights = [_layer_weights(layer) for layer in layers]
+        """Each layer's weights and shapes, in decode_layer's argument order."""
         self._op = layer_ops.layer_op("decode_layer")
-        self._args: list[tuple[tuple, torch.Tensor, tuple]] = []
-        self._caches: list[torch.Tensor | None] = []
+        self._attention_ns = load_paged_attention()._qualified_op_name.split("::")[0]
 
-    def applies(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    def step_caches(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor] | None:
+        """The layers' KV caches where this step can run fused, else None."""
         rows = hidden_states.shape[0]
         if not (0 < rows < len(self.rows_ok) and self.rows_ok[rows]) or hidden_states.dtype != torch.float32:
-            return False
+            return None
         if metadata.groups is not None or metadata.has_dropped_blocks or MASS_KEY in metadata.backend_data:
-            return False
-        caches = [attn.kv_cache for attn in self.attentions]
-        if caches != self._caches:  # bound, rebound or released since the last step
-            if not all(_attends_fused(attn) for attn in self.attentions):
-                return False
-            self._args = [_layer_args(layer) for layer in self.layers]
-            self._caches = caches
+            return None
+        if not all(_attends_fused(attn) for attn in self.attentions):
+            return None
         runs, others = CpuAttentionBackend._split_rows(metadata)
-        return not others and len(runs) == 1
+        if others or len(runs) != 1:
+            return None
+        return [attn.kv_cache for attn in self.attentions]
 
     def run(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
-            residual: torch.Tensor | None, metadata: AttentionMetadata, end: int
+            residual: torch.Tensor | None, metadata: AttentionMetadata, end: int, caches: list[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end) over hidden_states (and residual: None before the model's first
-        layer); call only when `applies` said so for this step."""
+        layer), with the caches `step_caches` gave for this step."""
         (block_tables, seq_lens, query_start_loc, num_rows), = CpuAttentionBackend._split_rows(metadata)[0]
         cos, sin = cos_sin
-        op = self._op
-        for weights, cache, constants in self._args[:end - self.start]:
+        op, namespace = self._op, self._attention_ns
+        layers = end - self.start
+        for weights, attn, cache in zip(self.layer_weights[:layers], self.attentions[:layers], caches):
             first = residual is None
             if first:
                 residual = hidden_states
+            # window and sinks as the runner's KV policy left them (it may change them after load)
             hidden_states = op(hidden_states, residual, first, *weights, cos, sin, cache, metadata.slot_mapping,
-                               block_tables, seq_lens, query_start_loc, num_rows, *constants)
+                               block_tables, seq_lens, query_start_loc, num_rows, attn.scale,
+                               attn.sliding_window or 0, attn.sink_tokens, namespace)
         return hidden_states, residual
 
 
-def _layer_args(layer: nn.Module) -> tuple[tuple, torch.Tensor, tuple]:
-    """(weights, KV cache, attention constants) of one layer, in decode_layer's argument order."""
+def _layer_weights(layer: nn.Module) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
-    weights = (norm.weight, layer.post_attention_layernorm.weight, norm.eps,
-               _panels(attn.qkv_proj), attn.qkv_proj.bias, _panels(attn.o_proj), attn.o_proj.bias,
-               _panels(mlp.gate_up_proj), mlp.gate_up_proj.bias, _panels(mlp.down_proj), mlp.down_proj.bias,
-               attn.num_heads, attn.num_kv_heads, mlp.down_proj.weight.shape[1])
-    kernel = attn.attn.backend._op
-    constants = (attn.attn.scale, attn.attn.sliding_window or 0, attn.attn.sink_tokens,
-                 kernel._qualified_op_name.split("::")[0])
-    return weights, attn.attn.kv_cache, constants
+    return (norm.weight, layer.post_attention_layernorm.weight, norm.eps,
+            _panels(attn.qkv_proj), attn.qkv_proj.bias, _panels(attn.o_proj), attn.o_proj.bias,
+            _panels(mlp.gate_up_proj), mlp.gate_up_proj.bias, _panels(mlp.down_proj), mlp.down_proj.bias,
+            attn.num_heads, attn.num_kv_heads, mlp.down_proj.weight.shape[1])
 
 
 def _panels(linear: nn.Module) -> torch.Tensor:
@@ -148,6 +147,8 @@ def use_fused_decode(model: nn.Module) -> bool:
         return False
     layers = list(model.layers[model.start_layer:model.end_layer])
     reasons = {why for layer in layers if (why := _eligible(layer)) is not None}
+    if load_paged_attention() is None:
+        reasons.add("no compiled attention kernel")
     rows_ok = panel_rows(layers) if layers and not reasons else []
     if not any(rows_ok):
         logger.info("fused decode layers: off (%s)", "; ".join(sorted(reasons)) or "no row count runs the panel "

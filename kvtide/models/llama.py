@@ -230,8 +230,9 @@ class LlamaForCausalLM(nn.Module):
         end = self.end_layer if num_layers is None else num_layers
         aux: list[torch.Tensor] = []
         fused = self.fused_decode
-        if fused is not None and not self.aux_hidden_state_layers and fused.applies(hidden_states, metadata):
-            hidden_states, residual = fused.run(cos_sin, hidden_states, residual, metadata, end)
+        caches = None if fused is None or self.aux_hidden_state_layers else fused.step_caches(hidden_states, metadata)
+        if caches is not None:
+            hidden_states, residual = fused.run(cos_sin, hidden_states, residual, metadata, end, caches)
             end = self.start_layer  # every layer ran
         for i in range(self.start_layer, end):
             if i in self.aux_hidden_state_layers:

@@ -57,22 +57,24 @@ def _generate(model_dir: str, fused: bool, monkeypatch, batched: bool = True, **
     return llm, [(o.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("architecture, config", [
-    ("LlamaForCausalLM", {}),
-    ("Qwen2ForCausalLM", {}),  # a bias on q, k and v
-    ("MistralForCausalLM", {"sliding_window": 6}),  # the window cuts into every context here
-    ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32}),  # GQA 8:1
+@pytest.mark.parametrize("architecture, config, engine_args", [
+    ("LlamaForCausalLM", {}, {}),
+    ("Qwen2ForCausalLM", {}, {}),  # a bias on q, k and v
+    ("MistralForCausalLM", {"sliding_window": 6}, {}),  # the window cuts into every context here
+    ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32}, {}),  # GQA 8:1
+    # the runner's KV policy sets each layer's window and sinks after the model is built
+    ("LlamaForCausalLM", {}, {"kv_window_tokens": 12, "kv_sink_tokens": 2}),
 ])
 @pytest.mark.parametrize("batched", [False, True])
 def test_fused_steps_are_bit_identical_to_the_module_path(checkpoint_factory, monkeypatch, fused_rows,
-                                                          architecture, config, batched):
+                                                          architecture, config, engine_args, batched):
     model_dir = checkpoint_factory(architecture, **config)
-    llm, fused = _generate(model_dir, True, monkeypatch, batched)
+    llm, fused = _generate(model_dir, True, monkeypatch, batched, **engine_args)
     assert llm.engine.core.executor.runner.model.fused_decode is not None
     # the decode steps ran fused: batch 1, or several requests together
     assert fused_rows and (max(fused_rows) > 1 if batched else set(fused_rows) == {1}), fused_rows
     steps = len(fused_rows)
-    _, reference = _generate(model_dir, False, monkeypatch, batched)
+    _, reference = _generate(model_dir, False, monkeypatch, batched, **engine_args)
     assert len(fused_rows) == steps  # switched off: never ran
     assert fused == reference  # tokens and top logprobs, exactly
 
@@ -131,7 +133,9 @@ def test_bad_input_is_refused_with_a_message(checkpoint_factory, monkeypatch):
     monkeypatch.setenv("KVTIDE_FUSED_DECODE", "1")
     llm = LLM(model=model_dir, cpu_weight_prepack="on", kv_cache_memory="64MiB")
     model = llm.engine.core.executor.runner.model
-    weights, cache, constants = fused_decode._layer_args(model.layers[0])
+    weights = model.fused_decode.layer_weights[0]
+    cache = model.layers[0].self_attn.attn.kv_cache
+    constants = (0.125, 0, 0, model.fused_decode._attention_ns)
     x = torch.zeros(1, model.config.hidden_size)
     cos = sin = torch.zeros(1, 1, cache.shape[-1] // 2)
     rows = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
