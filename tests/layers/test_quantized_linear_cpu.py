@@ -301,6 +301,7 @@ def test_decode_and_prefill_linear_fall_back_to_pure_torch_with_the_same_numbers
                 for x, qw in zip(xs, weights, strict=True)]
     monkeypatch.setenv("KVTIDE_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_extension, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_resolved", {})
     assert not cpu_kernels.kernels_available()
     assert cpu_kernels._op("dequantize_rows") is None
     for x, qw, (decode_c, prefill_c) in zip(xs, weights, compiled, strict=True):

@@ -9,6 +9,7 @@ is the cost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,8 +25,14 @@ DEQUANT_ROWS = 512
 stays in the L2/L3 cache between the write and the GEMM's read."""
 
 
-def _op(name: str):
-    return load_cpu_op(SOURCE, "kvtide_quant", name, "compiled quantized linears")
+_resolved: dict[str, Callable | None] = {}
+
+
+def _op(name: str) -> Callable | None:
+    """The compiled op `name` (None without one), resolved once: every decode linear calls it."""
+    if name not in _resolved:
+        _resolved[name] = load_cpu_op(SOURCE, "kvtide_quant", name, "compiled quantized linears")
+    return _resolved[name]
 
 
 def kernels_available() -> bool:
