@@ -7,9 +7,10 @@ same order from one call, so the results are bit-identical to the module path's;
 decides where it may run and feeds it.
 
 Where: every layer a plain `LlamaDecoderLayer` (dense gated-SiLU MLP, GQA attention without q/k
-norms, tensor-parallel world size 1) whose four linears all chose the panel kernel (cpu_gemm) at the
-step's row count, the compiled element-wise ops installed (cpu_ops), float32 KV caches written and
-read by the CPU backend's compiled ops. When (per step): every request row is a kernel row (no
+norms, tensor-parallel world size 1) whose four linears each run the panel kernel (cpu_gemm's choice
+at the step's row count) or the weight-only quantized kernel (int8, int4, fp8 bytes, up to its decode
+row limit), the compiled element-wise ops installed (cpu_ops), float32 KV caches written and read by
+the CPU backend's compiled ops. When (per step): every request row is a kernel row (no
 prefill chunk longer than the kernel's query length), no KV drop policy or attention-mass
 bookkeeping, one KV-group layout. Anything else takes the module path, which stays the reference.
 """
@@ -28,6 +29,8 @@ from kvtide.attention.cpu_extension import load_paged_attention
 from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.layers import cpu_gemm, layer_ops
 from kvtide.layers.cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+from kvtide.layers.quantization import cpu_kernels
+from kvtide.layers.quantization.weight_only import DECODE_MAX_ROWS, WeightOnlyMethod
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,9 @@ class FusedDecodeLayers:
         self.layer_weights = [_layer_weights(layer) for layer in layers]
         """Each layer's weights and shapes, in decode_layer's argument order."""
         self._op = layer_ops.layer_op("decode_layer")
-        self._attention_ns = load_paged_attention()._qualified_op_name.split("::")[0]
+        self._attention_ns = _namespace(load_paged_attention())
+        quantized = cpu_kernels._op("quantized_linear")
+        self._quantized_ns = _namespace(quantized) if quantized is not None else ""
 
     def step_caches(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor] | None:
         """The layers' KV caches where this step can run fused, else None."""
@@ -77,21 +82,50 @@ class FusedDecodeLayers:
             # window and sinks as the runner's KV policy left them (it may change them after load)
             hidden_states = op(hidden_states, residual, first, *weights, cos, sin, cache, metadata.slot_mapping,
                                block_tables, seq_lens, query_start_loc, num_rows, attn.scale,
-                               attn.sliding_window or 0, attn.sink_tokens, namespace)
+                               attn.sliding_window or 0, attn.sink_tokens, namespace, self._quantized_ns)
         return hidden_states, residual
 
 
+def _namespace(op) -> str:
+    return op._qualified_op_name.split("::")[0]
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _layer_weights(layer: nn.Module) -> tuple:
+    """decode_layer's arguments from input_norm through intermediate: the norms, then the four
+    linears as lists (weight panels or quantized codes, scales, mins, bias, kind, group size)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
-    return (norm.weight, layer.post_attention_layernorm.weight, norm.eps,
-            _panels(attn.qkv_proj), attn.qkv_proj.bias, _panels(attn.o_proj), attn.o_proj.bias,
-            _panels(mlp.gate_up_proj), mlp.gate_up_proj.bias, _panels(mlp.down_proj), mlp.down_proj.bias,
-            attn.num_heads, attn.num_kv_heads, mlp.down_proj.weight.shape[1])
+    specs = [_linear_spec(linear) for linear in _linears(layer)]
+    weights, scales, mins, biases, kinds, groups = (list(column) for column in zip(*specs))
+    return (norm.weight, layer.post_attention_layernorm.weight, norm.eps, weights, scales, mins, biases, kinds,
+            groups, attn.num_heads, attn.num_kv_heads, mlp.down_proj.input_size_per_partition)
 
 
-def _panels(linear: nn.Module) -> torch.Tensor:
-    return linear.gemm_plan.packed["panels"]
+def _linear_spec(linear: nn.Module) -> tuple:
+    if linear.quantized is not None:
+        qw = linear.quantized
+        return qw.codes, qw.scales, qw.mins, linear.bias, cpu_kernels.KIND_CODES[qw.kind], qw.group_size
+    return linear.gemm_plan.packed["panels"], None, None, linear.bias, PANELS_KIND, 0
+
+
+PANELS_KIND = -1
+"""decode_layer's kind of a linear on weight panels (the others are the quantized op's code kinds)."""
+
+
+def _linear_kernel(linear: nn.Module) -> str | None:
+    """'panels', 'quantized' (the weight-only kernel on the quantized bytes), or None: neither."""
+    if linear.quantized is not None:
+        qw = linear.quantized
+        weight_only = type(linear.quant_method).apply is WeightOnlyMethod.apply
+        return ("quantized" if weight_only and qw.input_perm is None and qw.kind in cpu_kernels.KIND_CODES
+                and qw.codes.device.type == "cpu" and linear.output_size == qw.out_features else None)
+    if linear.gemm_plan is not None and "panels" in linear.gemm_plan.packed:
+        return "panels"
+    return None
 
 
 def _attends_fused(attn: nn.Module) -> bool:
@@ -119,18 +153,28 @@ def _eligible(layer: nn.Module) -> str | None:
         return "the compiled norms and rotary are not installed"
     if attn.o_proj.tp.world_size != 1:
         return "tensor parallel"
-    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        if linear.quantized is not None or linear.gemm_plan is None or "panels" not in linear.gemm_plan.packed:
-            return "a linear without the panel kernel"
+    for linear in _linears(layer):
+        kernel = _linear_kernel(linear)
+        if kernel is None:
+            return "a linear on neither the panel kernel nor the weight-only quantized kernel"
+        if kernel == "quantized" and not cpu_kernels.kernels_available():
+            return "no compiled quantized linear"
     return None
 
 
-def panel_rows(layers: list[nn.Module]) -> list[bool]:
-    """rows_ok[r] for r in 0..MAX_DECODE_ROWS: all four linears of every layer run panels at r rows."""
+def fused_rows(layers: list[nn.Module]) -> list[bool]:
+    """rows_ok[r] for r in 0..MAX_DECODE_ROWS: every linear of every layer runs its fused kernel at
+    r rows as the module path would (panels where cpu_gemm chose them; quantized bytes up to the
+    weight-only path's decode row limit)."""
     run = cpu_gemm.CANDIDATES["panels"].run
-    linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    return [rows > 0 and all(linear.gemm_plan.by_rows[rows][0] is run for linear in linears)
+    linears = [linear for layer in layers for linear in _linears(layer)]
+
+    def runs_fused(linear: nn.Module, rows: int) -> bool:
+        if linear.quantized is not None:
+            return rows <= DECODE_MAX_ROWS
+        return linear.gemm_plan.by_rows[rows][0] is run
+
+    return [rows > 0 and all(runs_fused(linear, rows) for linear in linears)
             for rows in range(cpu_gemm.MAX_DECODE_ROWS + 1)]
 
 
@@ -149,10 +193,10 @@ def use_fused_decode(model: nn.Module) -> bool:
     reasons = {why for layer in layers if (why := _eligible(layer)) is not None}
     if load_paged_attention() is None:
         reasons.add("no compiled attention kernel")
-    rows_ok = panel_rows(layers) if layers and not reasons else []
+    rows_ok = fused_rows(layers) if layers and not reasons else []
     if not any(rows_ok):
         logger.info("fused decode layers: off (%s)", "; ".join(sorted(reasons)) or "no row count runs the panel "
-                    "kernel on every linear")
+                    "or quantized kernel on every linear")
         return False
     model.fused_decode = FusedDecodeLayers(layers, model.start_layer, rows_ok)
     logger.info("fused decode layers: on at %s rows", ", ".join(str(r) for r, ok in enumerate(rows_ok) if ok))

@@ -64,6 +64,9 @@ def _generate(model_dir: str, fused: bool, monkeypatch, batched: bool = True, **
     ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32}, {}),  # GQA 8:1
     # the runner's KV policy sets each layer's window and sinks after the model is built
     ("LlamaForCausalLM", {}, {"kv_window_tokens": 12, "kv_sink_tokens": 2}),
+    # linears in quantized bytes (the weight-only kernel), with a bias
+    ("LlamaForCausalLM", {}, {"quantization": "int8"}),
+    ("Qwen2ForCausalLM", {"intermediate_size": 384}, {"quantization": "int4", "quantization_group_size": 32}),
 ])
 @pytest.mark.parametrize("batched", [False, True])
 def test_fused_steps_are_bit_identical_to_the_module_path(checkpoint_factory, monkeypatch, fused_rows,
@@ -108,7 +111,7 @@ def test_a_draft_model_decodes_fused_too(checkpoint_factory, monkeypatch, fused_
 
 @pytest.mark.parametrize("architecture, engine_args, reason", [
     ("Qwen3ForCausalLM", {}, "q/k norms"),
-    ("LlamaForCausalLM", {"quantization": "int8"}, "panel kernel"),
+    ("LlamaForCausalLM", {"quantization": "fp8"}, "neither the panel kernel nor the weight-only"),
 ])
 def test_ineligible_models_keep_the_module_path(checkpoint_factory, monkeypatch, caplog, fused_rows,
                                                 architecture, engine_args, reason):
@@ -135,7 +138,7 @@ def test_bad_input_is_refused_with_a_message(checkpoint_factory, monkeypatch):
     model = llm.engine.core.executor.runner.model
     weights = model.fused_decode.layer_weights[0]
     cache = model.layers[0].self_attn.attn.kv_cache
-    constants = (0.125, 0, 0, model.fused_decode._attention_ns)
+    constants = (0.125, 0, 0, model.fused_decode._attention_ns, model.fused_decode._quantized_ns)
     x = torch.zeros(1, model.config.hidden_size)
     cos = sin = torch.zeros(1, 1, cache.shape[-1] // 2)
     rows = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
@@ -144,5 +147,9 @@ def test_bad_input_is_refused_with_a_message(checkpoint_factory, monkeypatch):
         op(x, x, True, *weights, cos, sin, cache[0], *rows, *constants)
     with pytest.raises(RuntimeError, match="panels must be float32"):
         bad = list(weights)
-        bad[3] = bad[3][:, :-1]  # qkv panels with the wrong K
+        bad[3] = [bad[3][0][:, :-1], *bad[3][1:]]  # qkv panels with the wrong K
+        op(x, x, True, *bad, cos, sin, cache, *rows, *constants)
+    with pytest.raises(RuntimeError, match="give qkv, o, gate_up and down"):
+        bad = list(weights)
+        bad[3] = bad[3][:3]
         op(x, x, True, *bad, cos, sin, cache, *rows, *constants)

@@ -18,8 +18,8 @@
 //                                               panels, SiLU-and-mul, w2 on panels, weighted sum
 //   decode_layer(x, residual, ...) -> out       a dense Llama-family decoder layer for decode rows:
 //                                               the ops above in the module path's order, with the
-//                                               K/V write and paged attention of the attention
-//                                               library called through the dispatcher
+//                                               K/V write, paged attention and quantized linears of
+//                                               their own libraries called through the dispatcher
 //
 // linear_panels is a candidate of layers/cpu_gemm.py's chooser (it is used only for the shapes and
 // row counts where it measures fastest and passes the numerics check). A decode step reads every
@@ -465,62 +465,80 @@ void moe_experts(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& to
   });
 }
 
-// ---- a dense decoder layer for decode rows ---------------------------------------------------------
-// Batch-1 decode of a narrow model pays per op, not per FLOP: SmolLM2's layer is ~12 Python module
-// calls around 9 compiled ops, ~150 us a layer of interpreter time against ~25 us of norms, rotary
-// and attention. This runs the layer as the module path does (same ops, same order, same buffers'
-// shapes: bit-identical results) from one call. The attention library is a separate build (its own
-// op namespace, passed in), reached through the dispatcher.
-using AttentionFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, int64_t, double, int64_t, int64_t, int64_t);
-using WriteKvFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&);
-
-struct AttentionOps {
-  c10::TypedOperatorHandle<AttentionFn> attention;
-  c10::TypedOperatorHandle<WriteKvFn> write_kv;
-};
-
-const AttentionOps& attention_ops(const std::string& ns) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, AttentionOps> ops;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = ops.find(ns);
-  if (found == ops.end()) {
-    auto& dispatcher = c10::Dispatcher::singleton();
-    AttentionOps handles{dispatcher.findSchemaOrThrow((ns + "::paged_attention").c_str(), "").typed<AttentionFn>(),
-                         dispatcher.findSchemaOrThrow((ns + "::write_kv").c_str(), "").typed<WriteKvFn>()};
-    found = ops.emplace(ns, handles).first;
-  }
-  return found->second;
-}
-
 void set_panel_prefetch(int64_t rows) {
   TORCH_CHECK(rows >= 0 && rows <= 1024, "set_panel_prefetch: rows must be in [0, 1024], got ", rows);
   g_panel_prefetch.store(rows, std::memory_order_relaxed);
 }
 
-at::Tensor panels_product(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                          int64_t n) {
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  linear_panels(out, x, panels, bias);
-  return out;
+// ---- a dense decoder layer for decode rows ---------------------------------------------------------
+// Batch-1 decode of a narrow model pays per op, not per FLOP: SmolLM2's layer is ~12 Python module
+// calls around 9 compiled ops, ~150 us a layer of interpreter time against ~25 us of norms, rotary
+// and attention. This runs the layer as the module path does (same ops, same order, same buffers'
+// shapes: bit-identical results) from one call. The attention library and the quantized linears'
+// library are separate builds (their own op namespaces, passed in), reached through the dispatcher.
+using AttentionFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, int64_t, double, int64_t, int64_t, int64_t);
+using WriteKvFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&);
+using QuantizedLinearFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, int64_t, int64_t);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find_op(const std::string& name) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, c10::TypedOperatorHandle<Fn>> found;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = found.find(name);
+  if (it == found.end())
+    it = found.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Fn>()).first;
+  return it->second;
 }
 
+// The layer's four linears, each on weight panels (kind -1) or in quantized bytes (kind: the
+// quantized-linear op's code kind, with its scales, mins and group size).
+struct Linears {
+  at::TensorList weights;
+  const c10::List<std::optional<at::Tensor>>& scales;
+  const c10::List<std::optional<at::Tensor>>& mins;
+  const c10::List<std::optional<at::Tensor>>& biases;
+  c10::ArrayRef<int64_t> kinds, groups;
+  std::string quantized_ns;
+
+  at::Tensor product(int64_t i, const at::Tensor& x, int64_t n) const {
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    const std::optional<at::Tensor> bias = biases.get(i);
+    if (kinds[i] < 0) {
+      linear_panels(out, x, weights[i], bias);
+      return out;
+    }
+    const std::optional<at::Tensor> scale = scales.get(i);
+    TORCH_CHECK(scale.has_value() && !quantized_ns.empty(),
+                "decode_layer: a quantized linear needs its scales and the quantized linears' op library");
+    find_op<QuantizedLinearFn>(quantized_ns + "::quantized_linear").call(out, x, weights[i], *scale, mins.get(i),
+                                                                         kinds[i], groups[i]);
+    if (bias.has_value()) out.add_(*bias);  // as the module path adds it, after the product
+    return out;
+  }
+};
+
 at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_panels,
-                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_panels,
-                        const std::optional<at::Tensor>& o_bias, const at::Tensor& gate_up_panels,
-                        const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_panels,
-                        const std::optional<at::Tensor>& down_bias, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
+                        const at::Tensor& post_norm, double eps, at::TensorList weights,
+                        const c10::List<std::optional<at::Tensor>>& scales,
+                        const c10::List<std::optional<at::Tensor>>& mins,
+                        const c10::List<std::optional<at::Tensor>>& biases, c10::ArrayRef<int64_t> kinds,
+                        c10::ArrayRef<int64_t> groups, int64_t num_heads, int64_t num_kv_heads, int64_t intermediate,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         const at::Tensor& query_start_loc, int64_t num_rows, double scale, int64_t window,
-                        int64_t sink_tokens, c10::string_view attention_ns) {
+                        int64_t sink_tokens, c10::string_view attention_ns, c10::string_view quantized_ns) {
   check_rows(x, "x");
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be (2, H_kv, blocks, block_size, D), got ",
               kv_cache.sizes());
+  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && mins.size() == 4 && biases.size() == 4 &&
+                  kinds.size() == 4 && groups.size() == 4,
+              "decode_layer: give qkv, o, gate_up and down (4 of weights, scales, mins, biases, kinds, groups)");
+  const Linears linears{weights, scales, mins, biases, kinds, groups, std::string(quantized_ns)};
   const int64_t m = x.size(0), h = x.size(1), d = kv_cache.size(4);
-  const AttentionOps& ops = attention_ops(std::string(attention_ns));
+  const std::string ns(attention_ns);
   // input_layernorm: the first layer's residual is its input itself
   at::Tensor normed = at::empty_like(x);
   if (first) {
@@ -529,24 +547,25 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, bool first, c
     add_rms_norm(normed, x, residual, input_norm, eps);
   }
   // q | k | v by head, q and k rotated together, K/V into the cache, attention over it
-  const at::Tensor heads = panels_product(normed, qkv_panels, qkv_bias, (num_heads + 2 * num_kv_heads) * d)
+  const at::Tensor heads = linears.product(0, normed, (num_heads + 2 * num_kv_heads) * d)
                                .view({m, num_heads + 2 * num_kv_heads, d});
   at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
   rotary_embedding(qk, cos, sin);
   const at::Tensor q = heads.narrow(1, 0, num_heads);
-  ops.write_kv.call(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
-                    kv_cache, slot_mapping);
+  find_op<WriteKvFn>(ns + "::write_kv")
+      .call(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads), kv_cache,
+            slot_mapping);
   at::Tensor attended = at::empty({m, num_heads, d}, x.options());
-  ops.attention.call(attended, q, kv_cache, block_tables, seq_lens, query_start_loc, num_rows, scale, window, 0,
-                     sink_tokens);
-  const at::Tensor projected = panels_product(attended.view({m, num_heads * d}), o_panels, o_bias, h);
+  find_op<AttentionFn>(ns + "::paged_attention")
+      .call(attended, q, kv_cache, block_tables, seq_lens, query_start_loc, num_rows, scale, window, 0, sink_tokens);
+  const at::Tensor projected = linears.product(1, attended.view({m, num_heads * d}), h);
   // post_attention_layernorm, then the gated MLP
   at::Tensor normed_mlp = at::empty_like(x);
   add_rms_norm(normed_mlp, projected, residual, post_norm, eps);
-  const at::Tensor gate_up = panels_product(normed_mlp, gate_up_panels, gate_up_bias, 2 * intermediate);
+  const at::Tensor gate_up = linears.product(2, normed_mlp, 2 * intermediate);
   at::Tensor activated = at::empty({m, intermediate}, x.options());
   silu_and_mul(activated, gate_up);
-  return panels_product(activated, down_panels, down_bias, h);
+  return linears.product(3, activated, h);
 }
 
 }  // namespace
@@ -563,10 +582,9 @@ KVTIDE_LIBRARY(KVTIDE_OPS_NS, m) {
         "Tensor w13_panels, Tensor w2_panels, int intermediate) -> ()", &KVTIDE_OPS_NS::moe_experts);
   m.def("set_panel_prefetch(int rows) -> ()", &KVTIDE_OPS_NS::set_panel_prefetch);
   m.def("decode_layer(Tensor x, Tensor(a!) residual, bool first, Tensor input_norm, Tensor post_norm, float eps, "
-        "Tensor qkv_panels, Tensor? qkv_bias, Tensor o_panels, Tensor? o_bias, Tensor gate_up_panels, "
-        "Tensor? gate_up_bias, Tensor down_panels, Tensor? down_bias, int num_heads, int num_kv_heads, "
-        "int intermediate, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale, int window, int sink_tokens, "
-        "str attention_ns) -> Tensor",
+        "Tensor[] weights, Tensor?[] scales, Tensor?[] mins, Tensor?[] biases, int[] kinds, int[] groups, "
+        "int num_heads, int num_kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, "
+        "float scale, int window, int sink_tokens, str attention_ns, str quantized_ns) -> Tensor",
         &KVTIDE_OPS_NS::decode_layer);
 }
