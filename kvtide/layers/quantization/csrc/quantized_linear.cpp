@@ -194,10 +194,51 @@ inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Symmetric int8 (no mins): each group's dot products sum the codes as they are, and the group's
+// scale multiplies the sum once (sum_k x_k q_k s = s sum_k x_k q_k), one FMA per weight vector
+// fewer than dequantizing every vector first.
+template <int R>
+void int8_rows(const Weight& w, const float* const* xr, int64_t n, float* out, int64_t n_total) {
+  const int8_t* row = reinterpret_cast<const int8_t*>(w.codes + n * w.row_bytes);
+  const float* srow = w.scales + n * w.groups;
+  VecF total[R];
+  for (int i = 0; i < R; ++i) total[i] = vzero();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    VecF a0[R], a1[R];
+    for (int i = 0; i < R; ++i) a0[i] = a1[i] = vzero();
+    for (int64_t k = g * w.group, k_end = k + w.group; k < k_end; k += 2 * kLanes) {
+      const VecF q0 = load_int8(row + k), q1 = load_int8(row + k + kLanes);
+      for (int i = 0; i < R; ++i) {
+        a0[i] = vfma(vload(xr[i] + k), q0, a0[i]);
+        a1[i] = vfma(vload(xr[i] + k + kLanes), q1, a1[i]);
+      }
+    }
+    const VecF s = vset1(srow[g]);
+    for (int i = 0; i < R; ++i) total[i] = vfma(a0[i] + a1[i], s, total[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i * n_total + n] = vsum(total[i]);
+}
+#endif
+
 // out[m, n] for rows m0..m0+rows of x and output rows n0..n1.
 void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t rows, int64_t n0,
                  int64_t n1, float* out, int64_t n_total, float* scratch) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (w.kind == kInt8 && w.mins == nullptr && w.group % (2 * kLanes) == 0) {
+    const float* xr[kRows];
+    for (int64_t i = 0; i < rows; ++i) xr[i] = x + (m0 + i) * k;
+    float* o = out + m0 * n_total;
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (rows) {
+        case 1: int8_rows<1>(w, xr, n, o, n_total); break;
+        case 2: int8_rows<2>(w, xr, n, o, n_total); break;
+        case 3: int8_rows<3>(w, xr, n, o, n_total); break;
+        default: int8_rows<4>(w, xr, n, o, n_total); break;
+      }
+    }
+    return;
+  }
   if (w.group % kLanes == 0) {
     const float* xr[kRows];
     for (int64_t i = 0; i < rows; ++i) xr[i] = x + (m0 + i) * k;
