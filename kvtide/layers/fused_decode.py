@@ -43,7 +43,7 @@ class FusedDecodeLayers:
         self.start = start
         """Index of layers[0] in the model (pipeline stages hold a range)."""
         self.rows_ok = rows_ok
-        """rows_ok[r]: every linear runs the panel kernel at r rows (r <= cpu_gemm.MAX_DECODE_ROWS)."""
+        """rows_ok[r]: every linear runs its fused kernel at r rows (r <= cpu_gemm.MAX_DECODE_ROWS)."""
         self.attentions = [layer.self_attn.attn for layer in layers]
         self.layer_weights = [_layer_weights(layer) for layer in layers]
         """Each layer's weights and shapes, in decode_layer's argument order."""
@@ -55,7 +55,8 @@ class FusedDecodeLayers:
     def step_caches(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor] | None:
         """The layers' KV caches where this step can run fused, else None."""
         rows = hidden_states.shape[0]
-        if not (0 < rows < len(self.rows_ok) and self.rows_ok[rows]) or hidden_states.dtype != torch.float32:
+        if not (0 < rows < len(self.rows_ok) and self.rows_ok[rows]) or hidden_states.dtype != torch.float32 \
+                or not hidden_states.is_contiguous():
             return None
         if metadata.groups is not None or metadata.has_dropped_blocks or MASS_KEY in metadata.backend_data:
             return None
