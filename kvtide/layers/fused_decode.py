@@ -154,6 +154,9 @@ def _eligible(layer: nn.Module) -> str | None:
         return "the compiled norms and rotary are not installed"
     if attn.o_proj.tp.world_size != 1:
         return "tensor parallel"
+    rotary = attn.rotary_emb
+    if rotary.head_dim != attn.head_dim or rotary.cos_cache.dtype != torch.float32:
+        return "rotary over part of the head or not in float32"
     for linear in _linears(layer):
         kernel = _linear_kernel(linear)
         if kernel is None:
