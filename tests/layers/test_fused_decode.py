@@ -20,6 +20,7 @@ def _panels_everywhere(tmp_path, monkeypatch):
     """The GEMM chooser picks the panel kernel on every shape and row count (numerics still checked;
     timing faked), so the fused path applies at every decode row count; a verdict cache of its own."""
     monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_gemm, "MEASURE_BUDGET_S", float("inf"))  # a busy machine still measures every shape
     monkeypatch.setattr(cpu_gemm, "_time_calls", lambda fns: {
         name: 1e-6 if name == "panels" else 1e-4 if name == cpu_gemm.F_LINEAR else 1e-3 for name in fns})
 
