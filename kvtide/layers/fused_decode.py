@@ -76,7 +76,8 @@ class FusedDecodeLayers:
         cos, sin = cos_sin
         op, namespace = self._op, self._attention_ns
         layers = end - self.start
-        for weights, attn, cache in zip(self.layer_weights[:layers], self.attentions[:layers], caches):
+        for weights, attn, cache in zip(self.layer_weights[:layers], self.attentions[:layers], caches[:layers],
+                                      strict=True):
             first = residual is None
             if first:
                 residual = hidden_states
@@ -101,7 +102,7 @@ def _layer_weights(layer: nn.Module) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
     specs = [_linear_spec(linear) for linear in _linears(layer)]
-    weights, scales, mins, biases, kinds, groups = (list(column) for column in zip(*specs))
+    weights, scales, mins, biases, kinds, groups = (list(column) for column in zip(*specs, strict=True))
     return (norm.weight, layer.post_attention_layernorm.weight, norm.eps, weights, scales, mins, biases, kinds,
             groups, attn.num_heads, attn.num_kv_heads, mlp.down_proj.input_size_per_partition)
 

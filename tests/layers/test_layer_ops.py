@@ -142,7 +142,7 @@ def test_the_prefetch_distance_changes_speed_only():
             outputs += [layer_ops.linear_panels(x[:rows], 700, panels, None) for rows in (1, 5)]
     finally:
         layer_ops.set_panel_prefetch(32)
-    assert all(torch.equal(out, ref) for out, ref in zip(outputs[2:], outputs[:2] * 3))
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs[2:], outputs[:2] * 3, strict=True))
     for bad in (-1, 1025):
         with pytest.raises(RuntimeError, match="rows must be in"):
             layer_ops.set_panel_prefetch(bad)
