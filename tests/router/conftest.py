@@ -13,6 +13,9 @@ import os
 import pytest
 from router_helpers import BACKEND_FLAGS, start_server, wait_ready
 
+# backend_a's steps take at least 3 ms (the fault injector's sleep): the client-gone test's 400-token
+# requests then outlast the router's 0.25 s disconnect poll however fast the tiny model decodes.
+BACKEND_ENV = {"backend_a": {"KVTIDE_FAULT_INJECT": "sleep_s=0.003"}}
 BACKENDS = {
     "backend_a": BACKEND_FLAGS,
     "backend_b": BACKEND_FLAGS,
@@ -30,7 +33,7 @@ def _router_backends(request, llama_dir):
     try:
         for name in BACKENDS:
             if name in wanted:
-                handles[name] = start_server(llama_dir, *BACKENDS[name], api_key=None)
+                handles[name] = start_server(llama_dir, *BACKENDS[name], api_key=None, env=BACKEND_ENV.get(name))
         yield handles
     finally:
         for handle in handles.values():
