@@ -24,9 +24,6 @@ import logging
 import torch
 
 from kvtide.config import EngineConfig
-from kvtide.layers.cpu_gemm import prepack_weights
-from kvtide.layers.cpu_ops import use_cpu_ops
-from kvtide.layers.fused_decode import use_fused_decode
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
 from kvtide.sampling.ops import compute_top_logprobs
@@ -37,7 +34,7 @@ from kvtide.spec_decode.ngram import NgramProposer
 from kvtide.spec_decode.parallel import broadcast_drafts, broadcast_emitted
 from kvtide.spec_decode.rejection_sampler import accept_matching, rejection_sample
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
-from kvtide.worker.model_runner import CachedRequestState, StepInputs
+from kvtide.worker.model_runner import CachedRequestState, StepInputs, use_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +71,8 @@ class SpecDecodeWorker:
         elif spec.method == "draft_model":
             mc = config.model_config
             self.draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
-            if device.type == "cpu":  # the target's CPU kernels (worker/model_runner.py)
-                prepack_weights(self.draft_model, config.device_config.cpu_weight_prepack)
-                use_cpu_ops(self.draft_model)
-                use_fused_decode(self.draft_model)
+            if device.type == "cpu":
+                use_cpu_kernels(self.draft_model, config.device_config.cpu_weight_prepack)
             self.chain = ChainProposer(self._draft_forward, self.draft_model.compute_logits, self.block_size,
                                        device, catch_up=True, sampler=draft_sampler, vocab_size=vocab_size,
                                        seed=config.model_config.seed)

@@ -113,9 +113,7 @@ class ModelRunner:
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
-            prepack_weights(self.model, config.device_config.cpu_weight_prepack)
-            use_cpu_ops(self.model)  # compiled RMSNorm, rotary, SiLU-and-mul (layers/cpu_ops.py)
-            use_fused_decode(self.model)  # a decoder layer per compiled call at decode (layers/fused_decode.py)
+            use_cpu_kernels(self.model, config.device_config.cpu_weight_prepack)
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None
         if config.speculative_config is not None:
@@ -445,6 +443,15 @@ def receive_sampled_tokens(states: list[CachedRequestState]) -> None:
 def has_own_cache_layout(attn) -> bool:
     """Whether an attention layer lays out its cache itself (`cache_shape`: MLA's latent cache)."""
     return hasattr(attn, "cache_shape")
+
+
+def use_cpu_kernels(model: torch.nn.Module, prepack_mode: str) -> None:
+    """A CPU model's compiled kernels, in order: packed GEMM weights (layers/cpu_gemm.py), the
+    compiled RMSNorm, rotary and SiLU-and-mul (layers/cpu_ops.py), then one call per decoder layer
+    at decode (layers/fused_decode.py), which needs both. The target and a draft model share it."""
+    prepack_weights(model, prepack_mode)
+    use_cpu_ops(model)
+    use_fused_decode(model)
 
 
 def layer_cache_shape(attn, backend, num_blocks: int, block_size: int) -> tuple[int, ...]:
