@@ -110,7 +110,7 @@ def _layer_weights(layer: nn.Module) -> tuple:
 def _linear_spec(linear: nn.Module) -> tuple:
     if linear.quantized is not None:
         qw = linear.quantized
-        return qw.codes, qw.scales, qw.mins, linear.bias, cpu_kernels.KIND_CODES[qw.kind], qw.group_size
+        return qw.codes, qw.scales, qw.mins, linear.bias, cpu_kernels.kind_code(qw), qw.group_size
     return linear.gemm_plan.packed["panels"], None, None, linear.bias, PANELS_KIND, 0
 
 

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from kvtide.attention.cpu_extension import load_cpu_op
-from kvtide.layers.quantization.qweight import QuantizedWeight, dequantize
+from kvtide.layers.quantization.qweight import QuantizedWeight, dequantize, int8_activation_linear
 
 SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
 KIND_CODES = {"int8": 0, "int4": 1, "fp8": 2}
+INT4_INT8_ACTIVATIONS = 3
+"""The kernel's kind for int4 codes times activations quantized to int8 (QuantizedWeight.int8_activations)."""
 DEQUANT_ROWS = 512
 """Output rows dequantized per GEMM on the prefill path: 512 x K float32 (1.5 MiB at K = 768)
 stays in the L2/L3 cache between the write and the GEMM's read."""
@@ -39,13 +41,18 @@ def kernels_available() -> bool:
     return _op("quantized_linear") is not None
 
 
+def kind_code(qw: QuantizedWeight) -> int:
+    """The compiled op's `kind` argument for `qw`."""
+    return INT4_INT8_ACTIVATIONS if qw.int8_activations else KIND_CODES[qw.kind]
+
+
 def decode_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """x (M, K) float32 -> (M, N): the weight read once per 4 rows of x, in its quantized bytes."""
     op = _op("quantized_linear")
     if op is None:
-        return F.linear(x, dequantize(qw))
+        return int8_activation_linear(x, qw) if qw.int8_activations else F.linear(x, dequantize(qw))
     out = torch.empty(x.shape[0], qw.out_features, dtype=torch.float32)
-    op(out, x.contiguous(), qw.codes, qw.scales, qw.mins, KIND_CODES[qw.kind], qw.group_size)
+    op(out, x.contiguous(), qw.codes, qw.scales, qw.mins, kind_code(qw), qw.group_size)
     return out
 
 

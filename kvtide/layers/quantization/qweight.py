@@ -18,6 +18,9 @@ int4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 3
 group_size 16 exists only for int8 (Q6_K). `input_perm` (K,) int64, when set, says the codes'
 column k holds the checkpoint's input column input_perm[k]: the layer computes
 x[:, input_perm] @ w.T (GPTQ act-order, whose groups are contiguous only after that sort).
+`int8_activations` (int4 only) asks the CPU decode kernel to quantize the activations to int8 per
+32-block and sum each block's products in integers (`int8_activation_linear` is that arithmetic):
+what llama.cpp's Q4_0 does, at a cost in accuracy the user opts into (--quantization w4a8).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     input_perm: torch.Tensor | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -58,6 +62,8 @@ class QuantizedWeight:
         for name, t in (("scales", self.scales), ("mins", self.mins)):
             if t is not None and (tuple(t.shape) != (n, k // g) or t.dtype != torch.float32):
                 raise ValueError(f"{name} must be float32 {(n, k // g)}; got {t.dtype} {tuple(t.shape)}")
+        if self.int8_activations and self.kind != "int4":
+            raise ValueError(f"int8 activations are implemented for int4 weights, not {self.kind}")
         if self.input_perm is not None and tuple(self.input_perm.shape) != (k,):
             raise ValueError(f"input_perm must have {k} entries; got {tuple(self.input_perm.shape)}")
 
@@ -70,13 +76,13 @@ class QuantizedWeight:
         """Output rows [start, end) (views): the slices the prefill path dequantizes one at a time."""
         return QuantizedWeight(self.kind, self.codes[start:end], self.scales[start:end],
                                None if self.mins is None else self.mins[start:end], self.group_size,
-                               end - start, self.in_features, self.input_perm)
+                               end - start, self.in_features, self.input_perm, self.int8_activations)
 
     def gather_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The output rows `index` (copies): an embedding lookup in a quantized table."""
         return QuantizedWeight(self.kind, self.codes[index], self.scales[index],
                                None if self.mins is None else self.mins[index], self.group_size,
-                               int(index.numel()), self.in_features, self.input_perm)
+                               int(index.numel()), self.in_features, self.input_perm, self.int8_activations)
 
 
 # ---- codes <-> values ------------------------------------------------------------------------
@@ -113,6 +119,37 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     if qw.mins is not None:
         values = values + qw.mins.unsqueeze(-1)
     return values.view(n, k).to(dtype)
+
+
+ACTIVATION_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (codes (M, K) float32 integers in -127..127, d (M, K // 32)): per 32-block
+    d = max|x| / 127 and code = round(x * (127 / max|x|)), ties to even (0 for an all-zero block)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
+    return codes.reshape(m, k), amax / 127.0
+
+
+def int8_activation_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x (M, K) @ w.T with x quantized per 32-block (quantize_activations): the integer-dot kernel's
+    arithmetic worked in float64, its reference (and the path where no kernel is compiled):
+        y[n] = sum_b s[n, g(b)] d_b sum_{k in b} q[n, k] a[k] + sum_g m[n, g] sum_{k in g} x[k]"""
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    a, d = quantize_activations(x)
+    q = code_values(qw).double()
+    blocks = k // ACTIVATION_BLOCK
+    dots = torch.einsum("mbj,nbj->mnb", a.double().reshape(-1, blocks, ACTIVATION_BLOCK),
+                        q.reshape(n, blocks, ACTIVATION_BLOCK))
+    block_scales = qw.scales.double().repeat_interleave(g // ACTIVATION_BLOCK, dim=1)  # (N, blocks)
+    y = (dots * d.double().unsqueeze(1) * block_scales.unsqueeze(0)).sum(-1)
+    if qw.mins is not None:
+        y = y + x.double().reshape(-1, k // g, g).sum(-1) @ qw.mins.double().t()
+    return y.float()
 
 
 # ---- float -> codes (on-the-fly quantization) ------------------------------------------------
@@ -190,4 +227,5 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         if has_mins else None
     return QuantizedWeight(first.kind, torch.cat([p.codes for p in parts]),
                            torch.cat([p.scales for p in parts]), mins, first.group_size,
-                           sum(p.out_features for p in parts), first.in_features, first.input_perm)
+                           sum(p.out_features for p in parts), first.in_features, first.input_perm,
+                           all(p.int8_activations for p in parts))

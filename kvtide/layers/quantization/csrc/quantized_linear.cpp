@@ -10,6 +10,13 @@
 // to kRows activation rows at once, so a weight row is read once per kRows rows; work is split
 // over output rows. dequantize_rows writes float32 rows, for prefill batches that go through a GEMM.
 //
+// int4 with int8 activations (kind 3, the int4 codes' layout): each activation row is quantized per
+// 32-block (d = max|x| / 127, a = round(x / d)), and a block's products are summed in integers, 64
+// of them an instruction (maddubs: unsigned nibble times signed byte), as llama.cpp's Q4_0 does:
+//   y[n] = sum_b s[n, g(b)] d_b sum_{k in b} q[n, k] a[k]  +  sum_g m[n, g] sum_{k in g} x[k]
+// The codes per weight byte cost two and-masks and a shift instead of a conversion and an FMA each,
+// so a decode step is bound by the bytes it reads again, not by its arithmetic.
+//
 // fp8 e4m3 -> float (NaN codes are refused at load: a checkpoint never stores them): its bits moved into a float16's (sign to bit 15, exponent and mantissa shifted
 // up by 7) are the same number times 2^-8 for normals and subnormals alike (float16 has 8 more
 // exponent bias), so a float16 conversion and a 2^8 factor folded into the scale decode it exactly.
@@ -23,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -41,7 +49,8 @@
 namespace KVTIDE_OPS_NS {
 namespace {
 
-constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2;
+constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2, kInt4A8 = 3;
+constexpr int64_t kActBlock = 32;  // activations quantized per 32-block (a block of int4 codes)
 constexpr int64_t kRows = 4;  // activation rows sharing one pass over a weight row
 constexpr float kFp8Factor = 256.0f;
 
@@ -70,6 +79,26 @@ inline VecF load_fp8(const uint8_t* p) {
   __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
                                  _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
   return _mm512_cvtph_ps(bits);
+}
+// The int8-activation path works on chunks of kChunkBytes weight bytes (kChunkBytes / 16 blocks of
+// 32 codes); a chunk's dot products land in int32 lanes, four lanes a block.
+using VecI = __m512i;
+constexpr int64_t kChunkBytes = 64;
+inline VecI load_bytes(const uint8_t* p, int64_t n) {  // n: 16, 32, 48 or 64 (zeros past n)
+  return n == 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << n) - 1), p);
+}
+inline VecI low_nibbles(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+inline VecI high_nibbles(VecI w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+// Per int32 lane: the sum of 4 low-nibble x activation products plus 4 high-nibble ones (exact:
+// each int16 pair sum is at most 2 * 15 * 127 and two of them fit too).
+inline VecI dot_nibbles(VecI lo, VecI a_lo, VecI hi, VecI a_hi) {
+  VecI pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, a_lo), _mm512_maddubs_epi16(hi, a_hi));
+  return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+}
+inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
+// The weight scale of each lane's group: `count` scales from s, spread over the lanes by idx.
+inline VecF lane_scales(const float* s, int64_t count, const int32_t* idx) {
+  return _mm512_permutexvar_ps(_mm512_loadu_si512(idx), _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), s));
 }
 // One 32-block of int4 codes (16 bytes): codes k0..k0+15 (low nibbles) and k0+16..k0+31 (high).
 inline void load_int4_block(const uint8_t* p, VecF out[2]) {
@@ -101,6 +130,23 @@ inline VecF load_fp8(const uint8_t* p) {
                               _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
   return _mm256_cvtph_ps(bits);
 }
+using VecI = __m256i;
+constexpr int64_t kChunkBytes = 32;
+inline VecI load_bytes(const uint8_t* p, int64_t n) {  // n: 16 or 32
+  return n == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline VecI low_nibbles(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+inline VecI high_nibbles(VecI w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+inline VecI dot_nibbles(VecI lo, VecI a_lo, VecI hi, VecI a_hi) {
+  VecI pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecF lane_scales(const float* s, int64_t count, const int32_t* idx) {
+  VecI mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_permutevar8x32_ps(_mm256_maskload_ps(s, mask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+}
 inline void load_int4_block(const uint8_t* p, VecF out[4]) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m128i mask = _mm_set1_epi8(0x0F);
@@ -111,7 +157,11 @@ inline void load_int4_block(const uint8_t* p, VecF out[4]) {
   out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
+#else
+constexpr int64_t kChunkBytes = 16;
 #endif
+constexpr int64_t kChunkLanes = kChunkBytes / 4;        // int32 lanes of a chunk's dot products
+constexpr int64_t kChunkBlocks = kChunkBytes / 16;      // 32-code blocks in a chunk
 
 struct Weight {
   const uint8_t* codes;  // row n starts at codes + n * row_bytes
@@ -221,6 +271,128 @@ void int8_rows(const Weight& w, const float* const* xr, int64_t n, float* out, i
 }
 #endif
 
+// ---- int4 weights x int8 activations ----------------------------------------------------------
+// The activation rows of one call, quantized once and laid out chunk by chunk as the weight's bytes
+// are: a chunk holds the low halves (codes k0..k0+15) of its blocks, then their high halves.
+struct Int8Activations {
+  int64_t chunks = 0, groups = 0, row_bytes = 0;
+  std::vector<int8_t> codes;         // (M, chunks * 2 * kChunkBytes); zeros past K
+  std::vector<float> lane_d;         // (M, chunks * kChunkLanes): each lane's block's d
+  std::vector<float> group_sums;     // (M, groups): sum of x over each weight group (for the mins)
+  std::vector<int64_t> first_group;  // (chunks): the first weight group a chunk touches
+  std::vector<int64_t> group_count;  // (chunks): how many groups it touches
+  std::vector<int32_t> lane_group;   // (chunks, kChunkLanes): a lane's group - first_group
+};
+
+// d and the codes of one 32-block: d = max|x| / 127, a = round(x * (127 / max|x|)) (0 for an all-zero
+// block); the high half goes `hi_offset` bytes after the low half.
+inline float quantize_block(const float* x, int8_t* lo, int64_t hi_offset) {
+  float amax = 0.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + hi_offset),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+#else
+  for (int64_t j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t j = 0; j < kActBlock; ++j) {
+    int8_t* dst = j < 16 ? lo + j : lo + hi_offset + (j - 16);
+    *dst = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+  }
+#endif
+  return amax / 127.0f;
+}
+
+void quantize_activations(const float* x, int64_t m, int64_t k, int64_t group, Int8Activations& a) {
+  const int64_t blocks = k / kActBlock;
+  a.chunks = (blocks + kChunkBlocks - 1) / kChunkBlocks;
+  a.groups = k / group;
+  a.row_bytes = a.chunks * 2 * kChunkBytes;
+  a.codes.assign(m * a.row_bytes, 0);
+  a.lane_d.assign(m * a.chunks * kChunkLanes, 0.0f);
+  a.group_sums.assign(m * a.groups, 0.0f);
+  a.first_group.resize(a.chunks);
+  a.group_count.resize(a.chunks);
+  a.lane_group.assign(a.chunks * kChunkLanes, 0);
+  for (int64_t c = 0; c < a.chunks; ++c) {
+    const int64_t b0 = c * kChunkBlocks, b1 = std::min(blocks, b0 + kChunkBlocks);
+    a.first_group[c] = b0 * kActBlock / group;
+    a.group_count[c] = (b1 * kActBlock - 1) / group - a.first_group[c] + 1;
+    for (int64_t lane = 0; lane < kChunkLanes; ++lane) {
+      const int64_t b = std::min(b0 + lane / 4, b1 - 1);
+      a.lane_group[c * kChunkLanes + lane] = static_cast<int32_t>(b * kActBlock / group - a.first_group[c]);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c = b / kChunkBlocks, j = b % kChunkBlocks;
+      int8_t* lo = a.codes.data() + r * a.row_bytes + c * 2 * kChunkBytes + j * 16;
+      const float d = quantize_block(xr + b * kActBlock, lo, kChunkBytes);
+      float* lane_d = a.lane_d.data() + (r * a.chunks + c) * kChunkLanes + j * 4;
+      for (int i = 0; i < 4; ++i) lane_d[i] = d;
+    }
+    for (int64_t g = 0; g < a.groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) sum += xr[kk];
+      a.group_sums[r * a.groups + g] = sum;
+    }
+  }
+}
+
+// out[r, n] for R activation rows (indices rows[0..R)) and weight row n.
+template <int R>
+void int4a8_rows(const Weight& w, const Int8Activations& a, const int64_t* rows, int64_t n, float* out,
+                 int64_t n_total) {
+  const uint8_t* wrow = w.codes + n * w.row_bytes;
+  const float* srow = w.scales + n * w.groups;
+  float result[R];
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  VecF acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = vzero();
+  for (int64_t c = 0; c < a.chunks; ++c) {
+    const int64_t bytes = std::min(kChunkBytes, w.row_bytes - c * kChunkBytes);
+    const VecI wv = load_bytes(wrow + c * kChunkBytes, bytes);
+    const VecI lo = low_nibbles(wv), hi = high_nibbles(wv);
+    const VecF s = lane_scales(srow + a.first_group[c], a.group_count[c], a.lane_group.data() + c * kChunkLanes);
+    for (int i = 0; i < R; ++i) {
+      const int8_t* ac = a.codes.data() + rows[i] * a.row_bytes + c * 2 * kChunkBytes;
+      const VecI dot = dot_nibbles(lo, load_bytes(reinterpret_cast<const uint8_t*>(ac), kChunkBytes), hi,
+                                   load_bytes(reinterpret_cast<const uint8_t*>(ac + kChunkBytes), kChunkBytes));
+      const VecF d = vload(a.lane_d.data() + (rows[i] * a.chunks + c) * kChunkLanes);
+      acc[i] = vfma(to_float(dot), d * s, acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) result[i] = vsum(acc[i]);
+#else
+  for (int i = 0; i < R; ++i) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < a.chunks; ++c) {  // one block a chunk
+      const uint8_t* wb = wrow + c * 16;
+      const int8_t* ac = a.codes.data() + rows[i] * a.row_bytes + c * 2 * kChunkBytes;
+      int32_t dot = 0;
+      for (int j = 0; j < 16; ++j) dot += (wb[j] & 0x0F) * ac[j] + (wb[j] >> 4) * ac[kChunkBytes + j];
+      acc += static_cast<float>(dot) * a.lane_d[(rows[i] * a.chunks + c) * kChunkLanes] *
+             srow[c * kActBlock / w.group];
+    }
+    result[i] = acc;
+  }
+#endif
+  if (w.mins != nullptr) {
+    const float* mrow = w.mins + n * w.groups;
+    for (int i = 0; i < R; ++i) {
+      const float* sums = a.group_sums.data() + rows[i] * a.groups;
+      float extra = 0.0f;
+      for (int64_t g = 0; g < w.groups; ++g) extra += mrow[g] * sums[g];
+      result[i] += extra;
+    }
+  }
+  for (int i = 0; i < R; ++i) out[rows[i] * n_total + n] = result[i];
+}
+
 // out[m, n] for rows m0..m0+rows of x and output rows n0..n1.
 void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t rows, int64_t n0,
                  int64_t n1, float* out, int64_t n_total, float* scratch) {
@@ -277,6 +449,7 @@ void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t
 
 Weight make_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                    int64_t kind, int64_t group_size, int64_t k) {
+  if (kind == kInt4A8) kind = kInt4;  // the same codes; only the activations differ
   TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8, "unknown quantized kind ", kind);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
@@ -310,6 +483,26 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
   // Chunks of output rows: several per thread so uneven cores even out, each at least 16 rows.
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(16, (n + threads * 4 - 1) / (threads * 4));
+  if (kind == kInt4A8) {
+    Int8Activations a;
+    quantize_activations(xp, m, k, group_size, a);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      int64_t rows[kRows];
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int64_t r = std::min(kRows, m - m0);
+        for (int64_t i = 0; i < r; ++i) rows[i] = m0 + i;
+        for (int64_t nn = n0; nn < n1; ++nn) {
+          switch (r) {
+            case 1: int4a8_rows<1>(w, a, rows, nn, op, n); break;
+            case 2: int4a8_rows<2>(w, a, rows, nn, op, n); break;
+            case 3: int4a8_rows<3>(w, a, rows, nn, op, n); break;
+            default: int4a8_rows<4>(w, a, rows, nn, op, n); break;
+          }
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> scratch(k);
     for (int64_t m0 = 0; m0 < m; m0 += kRows) {
