@@ -15,7 +15,8 @@ from kvtide.bench import peers
 from kvtide.bench.common import cache_root
 
 ALL_ENGINES = ("kvtide", "hf", "vllm", "llamacpp")
-KVTIDE_VARIANTS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8", "w8a8", "gguf")
+KVTIDE_VARIANTS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8", "w8a8", "w4a8", "w4a8-g32",
+                   "w4a8-g64", "w4a8-g128", "gguf")
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
 
 

@@ -68,6 +68,8 @@ def _generate(model_dir: str, fused: bool, monkeypatch, batched: bool = True, **
     # linears in quantized bytes (the weight-only kernel), with a bias
     ("LlamaForCausalLM", {}, {"quantization": "int8"}),
     ("Qwen2ForCausalLM", {"intermediate_size": 384}, {"quantization": "int4", "quantization_group_size": 32}),
+    # int4 codes times activations rounded to int8
+    ("LlamaForCausalLM", {"intermediate_size": 384}, {"quantization": "w4a8", "quantization_group_size": 32}),
 ])
 @pytest.mark.parametrize("batched", [False, True])
 def test_fused_steps_are_bit_identical_to_the_module_path(checkpoint_factory, monkeypatch, fused_rows,

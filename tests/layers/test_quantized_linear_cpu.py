@@ -368,7 +368,7 @@ def _op_bad_inputs():
         "float64 scales": ({**base8, "scales": qw8.scales.double()}, "scales must be float32"),
         "mins of the wrong shape": ({**base4, "mins": torch.zeros(8, 1)}, "mins must be float32 like scales"),
         "float64 mins": ({**base4, "mins": qw4.mins.double()}, "mins must be float32 like scales"),
-        "unknown kind": ({**base8, "kind": 3}, "unknown quantized kind 3"),
+        "unknown kind": ({**base8, "kind": 4}, "unknown quantized kind 4"),
         "float64 x": ({**base8, "x": x.double()}, "x and out must be float32"),
         "out of the wrong shape": ({**base8, "out": torch.empty(2, 9)}, r"out must be \(M, N\)"),
         "strided x": ({**base8, "x": torch.randn(2, 128)[:, ::2]}, "x and out must be contiguous 2-D"),

@@ -2,7 +2,7 @@
 
 A checkpoint declares its format (config.json's `quantization_config.quant_method`, or a GGUF file's
 quantized tensor types) and is served in it; `--quantization NAME` forces a check against that
-declaration, or quantizes a float checkpoint at load (int8, int4, fp8, w8a8).
+declaration, or quantizes a float checkpoint at load (int8, int4, fp8, w8a8, w4a8).
 
     load_model: construct -> prepare_quantization (each layer's method creates its parameters)
                 -> load_weights -> finish_quantization (each layer's QuantizedWeight)
@@ -21,7 +21,7 @@ from kvtide.layers.quantization.weight_only import install
 
 logger = logging.getLogger(__name__)
 
-ONLINE_METHODS = ("int8", "int4", "fp8", "w8a8")
+ONLINE_METHODS = ("int8", "int4", "fp8", "w8a8", "w4a8")
 """Quantize a float checkpoint at load."""
 CHECKPOINT_METHODS = {
     "gptq": "kvtide.layers.quantization.gptq:GPTQConfig",
@@ -94,14 +94,16 @@ def _checkpoint_config(method: str, qc: dict[str, Any]) -> QuantizationConfig:
 def _online_config(name: str, group_size: int | None, calibration_data: str | None) -> QuantizationConfig:
     from kvtide.layers.quantization import online
 
-    if name != "int4" and group_size is not None:
-        raise ValueError(f"--quantization-group-size applies to int4, not {name}")
+    if name not in ("int4", "w4a8") and group_size is not None:
+        raise ValueError(f"--quantization-group-size applies to int4 and w4a8, not {name}")
     if name != "w8a8" and calibration_data is not None:
         raise ValueError(f"--calibration-data applies to w8a8, not {name}")
     if name == "int8":
         return online.Int8Config()
     if name == "int4":
         return online.Int4Config(group_size)
+    if name == "w4a8":
+        return online.W4A8Config(group_size)
     if name == "fp8":
         return online.Fp8Config()
     from kvtide.layers.quantization.w8a8 import W8A8Config

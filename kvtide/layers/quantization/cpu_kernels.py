@@ -10,13 +10,19 @@ is the cost.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kvtide.attention.cpu_extension import load_cpu_op
-from kvtide.layers.quantization.qweight import QuantizedWeight, dequantize, int8_activation_linear
+from kvtide.layers.quantization.qweight import (
+    ACTIVATION_BLOCK,
+    QuantizedWeight,
+    dequantize,
+    quantize_activations,
+)
 
 SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
 KIND_CODES = {"int8": 0, "int4": 1, "fp8": 2}
@@ -50,7 +56,7 @@ def decode_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """x (M, K) float32 -> (M, N): the weight read once per 4 rows of x, in its quantized bytes."""
     op = _op("quantized_linear")
     if op is None:
-        return int8_activation_linear(x, qw) if qw.int8_activations else F.linear(x, dequantize(qw))
+        return prefill_linear(x, qw) if qw.int8_activations else F.linear(x, dequantize(qw))
     out = torch.empty(x.shape[0], qw.out_features, dtype=torch.float32)
     op(out, x.contiguous(), qw.codes, qw.scales, qw.mins, kind_code(qw), qw.group_size)
     return out
@@ -66,12 +72,22 @@ def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 def prefill_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """x (M, K) float32 -> (M, N) through F.linear on slices of dequantized rows."""
+    """x (M, K) float32 -> (M, N) through F.linear on slices of dequantized rows. With int8
+    activations, the decode kernel's arithmetic as float GEMMs: the rounded activations (d a) times
+    the weight's s q, plus each group's exact sum of x times its min."""
     n = qw.out_features
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     buffer = torch.empty(min(n, DEQUANT_ROWS), qw.in_features, dtype=torch.float32)
+    mins = None
+    if qw.int8_activations:
+        codes, d = quantize_activations(x)
+        mins, group_sums = qw.mins, x.reshape(x.shape[0], -1, qw.group_size).sum(-1)
+        x = (codes.view(x.shape[0], -1, ACTIVATION_BLOCK) * d.unsqueeze(-1)).view_as(x)
+        qw = replace(qw, mins=None, int8_activations=False)
     for start in range(0, n, DEQUANT_ROWS):
         end = min(n, start + DEQUANT_ROWS)
         rows = dequantize_into(buffer[:end - start], qw.rows(start, end))
         out[:, start:end] = x @ rows.t()
+    if mins is not None:
+        out += group_sums @ mins.t()
     return out

@@ -7,6 +7,10 @@ copy freed:
   int4  asymmetric per group of --quantization-group-size input columns (32, 64 or 128; default 128)
   fp8   float8_e4m3fn with one scale per output channel (max|w| / 448); weight-only on CPU, FP8
         activations through torch._scaled_mm on CUDA devices that have FP8 matmul (sm_89+)
+  w4a8  int4's weights, and the CPU decode kernel quantizes each activation row to int8 per 32-block
+        and sums the products in integers (as llama.cpp's Q4_0/Q4_1 do): about twice int4's batch-1
+        speed, at the activations' rounding. Prefill batches (over DECODE_MAX_ROWS rows) and MoE
+        experts keep float activations. CPU only.
 A tied embedding shares the LM head's quantized table (looked up row by row); an untied one stays
 float (a lookup reads one row per token, not the table). A MoE layer's experts are quantized the same
 way, each expert's w13 and w2 on its own (layers/moe/quantized_experts.py); routers stay float.
@@ -136,6 +140,21 @@ class Int4Config(QuantizationConfig):
 
     def describe(self) -> str:
         return f"int4 g{self.group_size}"
+
+
+class W4A8Config(Int4Config):
+    name = "w4a8"
+
+    def supported_devices(self) -> tuple[str, ...]:
+        return ("cpu",)
+
+    def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
+        group = self.group_size
+        return OnlineWeightOnlyMethod(lambda w: quantize_int4(w, group, int8_activations=True)) \
+            if quantizes(prefix, layer) else None
+
+    def describe(self) -> str:
+        return f"w4a8 g{self.group_size}"
 
 
 class Fp8Config(QuantizationConfig):

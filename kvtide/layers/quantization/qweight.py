@@ -18,9 +18,9 @@ int4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 3
 group_size 16 exists only for int8 (Q6_K). `input_perm` (K,) int64, when set, says the codes'
 column k holds the checkpoint's input column input_perm[k]: the layer computes
 x[:, input_perm] @ w.T (GPTQ act-order, whose groups are contiguous only after that sort).
-`int8_activations` (int4 only) asks the CPU decode kernel to quantize the activations to int8 per
-32-block and sum each block's products in integers (`int8_activation_linear` is that arithmetic):
-what llama.cpp's Q4_0 does, at a cost in accuracy the user opts into (--quantization w4a8).
+`int8_activations` (int4 only) asks the CPU kernels to round the activations to int8 per 32-block
+(`quantize_activations`) and sum each block's products in integers: what llama.cpp's Q4_0 does, at
+a cost in accuracy the user opts into (--quantization w4a8).
 """
 
 from __future__ import annotations
@@ -135,23 +135,6 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(m, k), amax / 127.0
 
 
-def int8_activation_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """x (M, K) @ w.T with x quantized per 32-block (quantize_activations): the integer-dot kernel's
-    arithmetic worked in float64, its reference (and the path where no kernel is compiled):
-        y[n] = sum_b s[n, g(b)] d_b sum_{k in b} q[n, k] a[k] + sum_g m[n, g] sum_{k in g} x[k]"""
-    n, k, g = qw.out_features, qw.in_features, qw.group_size
-    a, d = quantize_activations(x)
-    q = code_values(qw).double()
-    blocks = k // ACTIVATION_BLOCK
-    dots = torch.einsum("mbj,nbj->mnb", a.double().reshape(-1, blocks, ACTIVATION_BLOCK),
-                        q.reshape(n, blocks, ACTIVATION_BLOCK))
-    block_scales = qw.scales.double().repeat_interleave(g // ACTIVATION_BLOCK, dim=1)  # (N, blocks)
-    y = (dots * d.double().unsqueeze(1) * block_scales.unsqueeze(0)).sum(-1)
-    if qw.mins is not None:
-        y = y + x.double().reshape(-1, k // g, g).sum(-1) @ qw.mins.double().t()
-    return y.float()
-
-
 # ---- float -> codes (on-the-fly quantization) ------------------------------------------------
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
     """Symmetric int8: per output channel (group_size None) or per group, scale = max|w| / 127."""
@@ -165,7 +148,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     return QuantizedWeight("int8", codes, scales.contiguous(), None, g, n, k)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
+def quantize_int4(weight: torch.Tensor, group_size: int = 128, int8_activations: bool = False) -> QuantizedWeight:
     """Asymmetric int4 per group: codes 0..15 spanning [min, max] of the group, w = s * q + min."""
     n, k = weight.shape
     if group_size < 1 or k % group_size:
@@ -175,7 +158,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> QuantizedWeigh
     hi = w.amax(-1).clamp_min(0.0)
     scales = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
     codes = torch.round((w - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).reshape(n, k)
-    return QuantizedWeight("int4", pack_int4(codes), scales.contiguous(), lo.contiguous(), group_size, n, k)
+    return QuantizedWeight("int4", pack_int4(codes), scales.contiguous(), lo.contiguous(), group_size, n, k,
+                           int8_activations=int8_activations)
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
