@@ -100,6 +100,11 @@ inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
 inline VecF lane_scales(const float* s, int64_t count, const int32_t* idx) {
   return _mm512_permutexvar_ps(_mm512_loadu_si512(idx), _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), s));
 }
+// Scales s[0..3], one per block of a whole chunk, each over its block's four lanes.
+inline VecF block_scales(const float* s) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(_mm_loadu_ps(s)));
+}
 // One 32-block of int4 codes (16 bytes): codes k0..k0+15 (low nibbles) and k0+16..k0+31 (high).
 inline void load_int4_block(const uint8_t* p, VecF out[2]) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -146,6 +151,9 @@ inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
 inline VecF lane_scales(const float* s, int64_t count, const int32_t* idx) {
   VecI mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   return _mm256_permutevar8x32_ps(_mm256_maskload_ps(s, mask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+}
+inline VecF block_scales(const float* s) {
+  return _mm256_setr_m128(_mm_set1_ps(s[0]), _mm_set1_ps(s[1]));
 }
 inline void load_int4_block(const uint8_t* p, VecF out[4]) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -343,28 +351,72 @@ void quantize_activations(const float* x, int64_t m, int64_t k, int64_t group, I
   }
 }
 
+// sum_i a[i] b[i]: the mins' term, one product per group (a scalar chain of them would cost more
+// than the integer dots at 32-wide groups).
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  VecF acc = vzero();
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  sum = vsum(acc);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// How a chunk finds its lanes' weight scales: kScalesGeneral through the chunk's lane->group table,
+// kScalesPerBlock (32-wide groups) as the next kChunkBlocks scales in order, kScalesWide (a group
+// spans whole chunks) as one scale for the chunk.
+constexpr int kScalesGeneral = 0, kScalesPerBlock = 1, kScalesWide = 2;
+
+int scale_mode(int64_t group) {
+  if (group == kActBlock) return kScalesPerBlock;
+  return group % (2 * kChunkBytes) == 0 ? kScalesWide : kScalesGeneral;
+}
+
 // out[r, n] for R activation rows (indices rows[0..R)) and weight row n.
-template <int R>
+template <int R, int kMode>
 void int4a8_rows(const Weight& w, const Int8Activations& a, const int64_t* rows, int64_t n, float* out,
                  int64_t n_total) {
   const uint8_t* wrow = w.codes + n * w.row_bytes;
   const float* srow = w.scales + n * w.groups;
+  const int8_t* arow[R];
+  const float* drow[R];
+  for (int i = 0; i < R; ++i) {
+    arow[i] = a.codes.data() + rows[i] * a.row_bytes;
+    drow[i] = a.lane_d.data() + rows[i] * a.chunks * kChunkLanes;
+  }
   float result[R];
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   VecF acc[R];
   for (int i = 0; i < R; ++i) acc[i] = vzero();
-  for (int64_t c = 0; c < a.chunks; ++c) {
-    const int64_t bytes = std::min(kChunkBytes, w.row_bytes - c * kChunkBytes);
-    const VecI wv = load_bytes(wrow + c * kChunkBytes, bytes);
+  auto chunk = [&](int64_t c, VecI wv, VecF s) {
     const VecI lo = low_nibbles(wv), hi = high_nibbles(wv);
-    const VecF s = lane_scales(srow + a.first_group[c], a.group_count[c], a.lane_group.data() + c * kChunkLanes);
     for (int i = 0; i < R; ++i) {
-      const int8_t* ac = a.codes.data() + rows[i] * a.row_bytes + c * 2 * kChunkBytes;
-      const VecI dot = dot_nibbles(lo, load_bytes(reinterpret_cast<const uint8_t*>(ac), kChunkBytes), hi,
-                                   load_bytes(reinterpret_cast<const uint8_t*>(ac + kChunkBytes), kChunkBytes));
-      const VecF d = vload(a.lane_d.data() + (rows[i] * a.chunks + c) * kChunkLanes);
-      acc[i] = vfma(to_float(dot), d * s, acc[i]);
+      const uint8_t* ac = reinterpret_cast<const uint8_t*>(arow[i] + c * 2 * kChunkBytes);
+      const VecI dot = dot_nibbles(lo, load_bytes(ac, kChunkBytes), hi, load_bytes(ac + kChunkBytes, kChunkBytes));
+      acc[i] = vfma(to_float(dot), vload(drow[i] + c * kChunkLanes) * s, acc[i]);
     }
+  };
+  const int64_t full = w.row_bytes / kChunkBytes;  // chunks of kChunkBlocks whole blocks
+  const int64_t chunks_per_group = w.group / (2 * kChunkBytes);
+  int64_t g = 0, in_group = 0;
+  for (int64_t c = 0; c < full; ++c) {
+    VecF s;
+    if constexpr (kMode == kScalesPerBlock) {
+      s = block_scales(srow + c * kChunkBlocks);
+    } else if constexpr (kMode == kScalesWide) {
+      s = vset1(srow[g]);
+      if (++in_group == chunks_per_group) in_group = 0, ++g;
+    } else {
+      s = lane_scales(srow + a.first_group[c], a.group_count[c], a.lane_group.data() + c * kChunkLanes);
+    }
+    chunk(c, load_bytes(wrow + c * kChunkBytes, kChunkBytes), s);
+  }
+  if (full < a.chunks) {  // the last blocks, fewer than a chunk
+    chunk(full, load_bytes(wrow + full * kChunkBytes, w.row_bytes - full * kChunkBytes),
+          lane_scales(srow + a.first_group[full], a.group_count[full], a.lane_group.data() + full * kChunkLanes));
   }
   for (int i = 0; i < R; ++i) result[i] = vsum(acc[i]);
 #else
@@ -372,25 +424,32 @@ void int4a8_rows(const Weight& w, const Int8Activations& a, const int64_t* rows,
     float acc = 0.0f;
     for (int64_t c = 0; c < a.chunks; ++c) {  // one block a chunk
       const uint8_t* wb = wrow + c * 16;
-      const int8_t* ac = a.codes.data() + rows[i] * a.row_bytes + c * 2 * kChunkBytes;
+      const int8_t* ac = arow[i] + c * 2 * kChunkBytes;
       int32_t dot = 0;
       for (int j = 0; j < 16; ++j) dot += (wb[j] & 0x0F) * ac[j] + (wb[j] >> 4) * ac[kChunkBytes + j];
-      acc += static_cast<float>(dot) * a.lane_d[(rows[i] * a.chunks + c) * kChunkLanes] *
-             srow[c * kActBlock / w.group];
+      acc += static_cast<float>(dot) * drow[i][c * kChunkLanes] * srow[c * kActBlock / w.group];
     }
     result[i] = acc;
   }
 #endif
   if (w.mins != nullptr) {
     const float* mrow = w.mins + n * w.groups;
-    for (int i = 0; i < R; ++i) {
-      const float* sums = a.group_sums.data() + rows[i] * a.groups;
-      float extra = 0.0f;
-      for (int64_t g = 0; g < w.groups; ++g) extra += mrow[g] * sums[g];
-      result[i] += extra;
-    }
+    for (int i = 0; i < R; ++i) result[i] += dot_floats(mrow, a.group_sums.data() + rows[i] * a.groups, w.groups);
   }
   for (int i = 0; i < R; ++i) out[rows[i] * n_total + n] = result[i];
+}
+
+template <int kMode>
+void int4a8_tile(const Weight& w, const Int8Activations& a, const int64_t* rows, int64_t r, int64_t n0, int64_t n1,
+                 float* out, int64_t n_total) {
+  for (int64_t n = n0; n < n1; ++n) {
+    switch (r) {
+      case 1: int4a8_rows<1, kMode>(w, a, rows, n, out, n_total); break;
+      case 2: int4a8_rows<2, kMode>(w, a, rows, n, out, n_total); break;
+      case 3: int4a8_rows<3, kMode>(w, a, rows, n, out, n_total); break;
+      default: int4a8_rows<4, kMode>(w, a, rows, n, out, n_total); break;
+    }
+  }
 }
 
 // out[m, n] for rows m0..m0+rows of x and output rows n0..n1.
@@ -486,18 +545,16 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
   if (kind == kInt4A8) {
     Int8Activations a;
     quantize_activations(xp, m, k, group_size, a);
+    const int mode = scale_mode(group_size);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       int64_t rows[kRows];
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         const int64_t r = std::min(kRows, m - m0);
         for (int64_t i = 0; i < r; ++i) rows[i] = m0 + i;
-        for (int64_t nn = n0; nn < n1; ++nn) {
-          switch (r) {
-            case 1: int4a8_rows<1>(w, a, rows, nn, op, n); break;
-            case 2: int4a8_rows<2>(w, a, rows, nn, op, n); break;
-            case 3: int4a8_rows<3>(w, a, rows, nn, op, n); break;
-            default: int4a8_rows<4>(w, a, rows, nn, op, n); break;
-          }
+        switch (mode) {
+          case kScalesPerBlock: int4a8_tile<kScalesPerBlock>(w, a, rows, r, n0, n1, op, n); break;
+          case kScalesWide: int4a8_tile<kScalesWide>(w, a, rows, r, n0, n1, op, n); break;
+          default: int4a8_tile<kScalesGeneral>(w, a, rows, r, n0, n1, op, n); break;
         }
       }
     });
