@@ -55,8 +55,17 @@ install_llamacpp() {
         mv "$venv/src.tmp"/llama_cpp_python-* "$venv/src"
         rmdir "$venv/src.tmp"
     fi
-    # Compiles llama.cpp (-march=native), about 8 minutes on 2 cores.
-    CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/python" -m pip install "${sdist}[server]" gguf sentencepiece
+    # Compiles llama.cpp (-march=native), about 8 minutes on 2 cores. On a CPU with AMX (Sapphire
+    # Rapids and later), llama.cpp 0.3.36's AMX weight buffers crashed the Q4_0/Q8_0 models here
+    # (SIGSEGV at the first decode, in a KVM guest): build without AMX, which keeps its AVX-512
+    # VNNI kernels and weight repacking.
+    local cmake_args=${CMAKE_ARGS:-}
+    if grep -q amx_int8 /proc/cpuinfo; then
+        cmake_args="$cmake_args -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+        cmake_args="$cmake_args -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+    fi
+    CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/python" -m pip install --no-cache-dir \
+        "${sdist}[server]" gguf sentencepiece
     "$venv/bin/python" -c "import llama_cpp, gguf; print('llama_cpp', llama_cpp.__version__)"
     log "llama-cpp-python ready"
 }

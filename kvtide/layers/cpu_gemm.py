@@ -35,7 +35,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 F_LINEAR = "f.linear"
+PANELS = "panels"
 CACHE_VERSION = 4
 """Bumped when the candidates or the measurement change, so older verdicts are not reused."""
 
@@ -350,14 +351,25 @@ def _passing(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, names: li
 
 
 # ---- choosing ------------------------------------------------------------------------------------
-def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS
-           ) -> dict[str, str]:
+FUSION_BUCKETS = ("1", "2-8")
+"""Decode row counts at which a model that runs each decoder layer as one call (layers/fused_decode.py,
+on weight panels) prefers the panel kernel when it is within FUSION_MARGIN of the fastest."""
+FUSION_MARGIN = 0.15
+"""Fusing a layer saves ~35-40 us of per-op time a linear (SmolLM2, 120 linears a step: 4.5 ms of a
+28 ms step on a Xeon with AVX-512, where MKL beat panels by 3-8% on two of its four shapes); at these
+rows a linear takes 50-300 us, so 15% of its time is less than fusing saves."""
+
+
+def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS,
+           prefer_panels: bool = False) -> dict[str, str]:
     """Bucket -> candidate, from measure_shape's verdicts, with at most `max_kinds` packed kinds
     per shape.
 
     'auto': the fastest passing candidate, another than F.linear only if it is MARGIN faster.
-    'on': the fastest passing packed candidate wherever one passes, whatever the speed."""
-    choices = _choose_each(verdicts, mode, allowed=None)
+    'on': the fastest passing packed candidate wherever one passes, whatever the speed.
+    `prefer_panels` (a model whose decoder layers can run fused): at FUSION_BUCKETS, panels where they
+    pass and are within FUSION_MARGIN of that choice."""
+    choices = _choose_each(verdicts, mode, allowed=None, prefer_panels=prefer_panels)
     kinds = {c for c in choices.values() if c != F_LINEAR}
     if len(kinds) > max_kinds:  # keep the kinds that save the most time over the buckets they won
         def saving(kind: str) -> float:
@@ -365,23 +377,26 @@ def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: i
                        for b, c in choices.items() if c == kind)
         ranked = sorted(sorted(kinds), key=lambda k: (sum(c == k for c in choices.values()) if mode == "on" else 0,
                                                       saving(k)), reverse=True)
-        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:max_kinds]})
+        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:max_kinds]}, prefer_panels=prefer_panels)
     return choices
 
 
-def _choose_each(verdicts: dict[str, dict[str, float | None]], mode: str, allowed: set[str] | None) -> dict[str, str]:
+def _choose_each(verdicts: dict[str, dict[str, float | None]], mode: str, allowed: set[str] | None,
+                 prefer_panels: bool = False) -> dict[str, str]:
     choices = {}
     for bucket in (b.name for b in BUCKETS):
         times = verdicts[bucket]
         ok = {name: t for name, t in times.items() if t is not None and (allowed is None or name in allowed)}
         packed = {name: t for name, t in ok.items() if name != F_LINEAR}
         if mode == "on" and packed:
-            choices[bucket] = min(packed, key=packed.__getitem__)
-            continue
-        best = min(ok, key=ok.__getitem__) if ok else F_LINEAR
-        f_time = times.get(F_LINEAR)
-        if best != F_LINEAR and f_time is not None and ok[best] > f_time * (1 - MARGIN):
-            best = F_LINEAR
+            best = min(packed, key=packed.__getitem__)
+        else:
+            best = min(ok, key=ok.__getitem__) if ok else F_LINEAR
+            f_time = times.get(F_LINEAR)
+            if best != F_LINEAR and f_time is not None and ok[best] > f_time * (1 - MARGIN):
+                best = F_LINEAR
+        if prefer_panels and bucket in FUSION_BUCKETS and PANELS in ok and ok[PANELS] <= ok[best] * (1 + FUSION_MARGIN):
+            best = PANELS
         choices[bucket] = best
     return choices
 
@@ -499,10 +514,11 @@ MEASURED_SHAPES: list[str] = []
 
 
 def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = None,
-                    use_cache: bool = True) -> int:
+                    use_cache: bool = True, prefer_panels: Iterable[nn.Module] = ()) -> int:
     """Give each CPU float32 layer with a `gemm_plan` attribute (linears, LM head) the GemmPlan of
     its shape, with the packed copy it needs. Returns the number of layers given a plan.
-    `available_bytes` (default: MemAvailable) bounds 'auto'."""
+    `available_bytes` (default: MemAvailable) bounds 'auto'; the shapes of the `prefer_panels`
+    layers (fusable decoder layers' linears) prefer panels at decode rows (see choose)."""
     global _PLANNED_HERE
     check_mode(mode)
     _PLANNED_HERE = True
@@ -520,12 +536,14 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         return 0
     choose_panel_prefetch(use_cache)  # before the shapes are timed: their verdicts depend on it
     verdicts = _verdicts_by_shape(layers, use_cache)
-    choices = {skey: choose(v, mode) for skey, v in verdicts.items()}
+    preferring = {shape_key(m.weight, _bias(m)) for m in prefer_panels}
+    choices = {skey: choose(v, mode, prefer_panels=skey in preferring) for skey, v in verdicts.items()}
     copies = _copy_bytes(layers, choices)
     if mode == "auto":
         budget = (_available_memory() if available_bytes is None else available_bytes) // 4
         if copies > budget:  # one packed kind per layer may still fit
-            one_kind = {skey: choose(v, mode, max_kinds=1) for skey, v in verdicts.items()}
+            one_kind = {skey: choose(v, mode, max_kinds=1, prefer_panels=skey in preferring)
+                        for skey, v in verdicts.items()}
             if _copy_bytes(layers, one_kind) <= budget:
                 logger.info("GEMM: one packed kind per layer: %.1f GiB of copies for two exceed a quarter of "
                             "free memory", copies / 2**30)

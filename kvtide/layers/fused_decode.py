@@ -138,8 +138,9 @@ def _attends_fused(attn: nn.Module) -> bool:
             and cache.dim() == 5 and not attn.calculate_kv_scales)
 
 
-def _eligible(layer: nn.Module) -> str | None:
-    """Why `layer` cannot run fused, or None (its attention backend and cache are checked per step)."""
+def _eligible(layer: nn.Module, check_linears: bool = True) -> str | None:
+    """Why `layer` cannot run fused, or None (its attention backend and cache are checked per step).
+    check_linears=False: everything but the linears' kernels (before cpu_gemm has planned them)."""
     from kvtide.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     if type(layer) is not LlamaDecoderLayer:
@@ -158,7 +159,7 @@ def _eligible(layer: nn.Module) -> str | None:
     rotary = attn.rotary_emb
     if rotary.head_dim != attn.head_dim or rotary.cos_cache.dtype != torch.float32:
         return "rotary over part of the head or not in float32"
-    for linear in _linears(layer):
+    for linear in _linears(layer) if check_linears else ():
         kernel = _linear_kernel(linear)
         if kernel is None:
             return "a linear on neither the panel kernel nor the weight-only quantized kernel"
@@ -183,16 +184,36 @@ def fused_rows(layers: list[nn.Module]) -> list[bool]:
             for rows in range(cpu_gemm.MAX_DECODE_ROWS + 1)]
 
 
+def _llama_forward(model: nn.Module) -> bool:
+    from kvtide.models.llama import LlamaForCausalLM
+
+    return isinstance(model, LlamaForCausalLM) and type(model).forward is LlamaForCausalLM.forward
+
+
+def _switched_on() -> bool:
+    return os.environ.get("KVTIDE_FUSED_DECODE", "1") != "0" and layer_ops.layer_op("decode_layer") is not None
+
+
+def fusable_linears(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' linears where `model`'s layers could run fused once those are on the
+    panel or the quantized kernel (after cpu_ops.use_cpu_ops), else []: the layers cpu_gemm should
+    give panels at decode rows."""
+    if not (_llama_forward(model) and _switched_on()):
+        return []
+    layers = list(model.layers[model.start_layer:model.end_layer])
+    if not layers or any(_eligible(layer, check_linears=False) is not None for layer in layers):
+        return []
+    return [linear for layer in layers for linear in _linears(layer)]
+
+
 def use_fused_decode(model: nn.Module) -> bool:
     """Give `model` FusedDecodeLayers where it is a Llama-family model whose every layer is eligible
     (after cpu_gemm.prepack_weights and cpu_ops.use_cpu_ops); returns whether it did. Off with
     KVTIDE_FUSED_DECODE=0."""
-    from kvtide.models.llama import LlamaForCausalLM
-
-    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+    if not _llama_forward(model):
         return False
     model.fused_decode = None
-    if os.environ.get("KVTIDE_FUSED_DECODE", "1") == "0" or layer_ops.layer_op("decode_layer") is None:
+    if not _switched_on():
         return False
     layers = list(model.layers[model.start_layer:model.end_layer])
     reasons = {why for layer in layers if (why := _eligible(layer)) is not None}

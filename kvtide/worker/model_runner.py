@@ -22,7 +22,7 @@ from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, res
 from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.cpu_ops import use_cpu_ops
-from kvtide.layers.fused_decode import use_fused_decode
+from kvtide.layers.fused_decode import fusable_linears, use_fused_decode
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
@@ -446,11 +446,12 @@ def has_own_cache_layout(attn) -> bool:
 
 
 def use_cpu_kernels(model: torch.nn.Module, prepack_mode: str) -> None:
-    """A CPU model's compiled kernels, in order: packed GEMM weights (layers/cpu_gemm.py), the
-    compiled RMSNorm, rotary and SiLU-and-mul (layers/cpu_ops.py), then one call per decoder layer
-    at decode (layers/fused_decode.py), which needs both. The target and a draft model share it."""
-    prepack_weights(model, prepack_mode)
+    """A CPU model's compiled kernels, in order: the compiled RMSNorm, rotary and SiLU-and-mul
+    (layers/cpu_ops.py), packed GEMM weights (layers/cpu_gemm.py: panels preferred at decode rows
+    for the linears of layers that can run fused), then one call per decoder layer at decode
+    (layers/fused_decode.py), which needs both. The target and a draft model share it."""
     use_cpu_ops(model)
+    prepack_weights(model, prepack_mode, prefer_panels=fusable_linears(model))
     use_fused_decode(model)
 
 

@@ -216,6 +216,26 @@ def test_at_most_two_packed_kinds_per_layer():
     assert set(cpu_gemm.choose(verdicts, "on").values()) == {"mkl-packed"}
 
 
+def test_a_fusable_model_prefers_panels_at_decode_rows():
+    """prefer_panels: at rows 1 and 2-8, panels within 15% of the fastest win (a fused decoder layer
+    runs only on panels); further off, at larger row counts, or failing the numerics, they do not."""
+    def verdicts(panels: tuple, mkl: tuple) -> dict:
+        return {b.name: {F_LINEAR: 1.0, "panels": panels[i], "mkl-packed": mkl[i]} for i, b in enumerate(BUCKETS)}
+
+    close = verdicts((0.55, 0.55, 0.55, 0.55, 0.55), (0.5, 0.5, 0.5, 0.5, 0.5))  # panels 10% slower
+    assert set(cpu_gemm.choose(close, "auto").values()) == {"mkl-packed"}
+    preferred = cpu_gemm.choose(close, "auto", prefer_panels=True)
+    assert [preferred[b.name] for b in BUCKETS] == ["panels", "panels", "mkl-packed", "mkl-packed", "mkl-packed"]
+    far = verdicts((0.6, 0.6, 0.6, 0.6, 0.6), (0.5, 0.5, 0.5, 0.5, 0.5))  # 20% slower
+    assert set(cpu_gemm.choose(far, "auto", prefer_panels=True).values()) == {"mkl-packed"}
+    failing = verdicts((None, None, None, None, None), (0.5, 0.5, 0.5, 0.5, 0.5))
+    assert set(cpu_gemm.choose(failing, "auto", prefer_panels=True).values()) == {"mkl-packed"}
+    # over F.linear too (which 'auto' keeps when nothing is MARGIN faster)
+    plain = {b.name: {F_LINEAR: 1.0, "panels": 1.05} for b in BUCKETS}
+    chosen = cpu_gemm.choose(plain, "auto", prefer_panels=True)
+    assert [chosen[b.name] for b in BUCKETS] == ["panels", "panels", F_LINEAR, F_LINEAR, F_LINEAR]
+
+
 def test_auto_counts_one_copy_per_packed_kind_and_falls_back_to_one_kind(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda weight, bias, names, packed: {
         b.name: {name: (0.5 if (name == "panels") == (i == 0) else 1.0) if name != F_LINEAR else 1.0
