@@ -90,10 +90,11 @@ class EngineArgs:
     """Weight quantization. A quantized checkpoint is served in its own format, detected from
     config.json's quantization_config (gptq, awq, compressed-tensors, fp8) or a GGUF file's tensor
     types (gguf, kept quantized); naming it checks the checkpoint against it. On a float checkpoint:
-    int8 (per-channel weight-only), int4 (group-wise asymmetric weight-only), fp8 (e4m3 per-channel)
-    or w8a8 (SmoothQuant-style int8 weights and per-token int8 activations)."""
+    int8 (per-channel weight-only), int4 (group-wise asymmetric weight-only), fp8 (e4m3 per-channel),
+    w8a8 (SmoothQuant-style int8 weights and per-token int8 activations) or w4a8 (int4's weights,
+    activations rounded to int8 per 32-block as llama.cpp's Q4_0 does; CPU)."""
     quantization_group_size: int | None = None
-    """int4: input columns per scale (32, 64 or 128; default 128)."""
+    """int4 and w4a8: input columns per scale (32, 64 or 128; default 128)."""
     calibration_data: str | None = None
     """w8a8: a text file whose activations set the SmoothQuant smoothing factors (default: none, plain
     per-channel W8A8)."""
