@@ -23,12 +23,7 @@ KIND_INT4_INT8_ACTIVATIONS = 3
 U = 2.0 ** -24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def linear_op(isa: str):

@@ -37,14 +37,7 @@ NAN_PATTERNS = (0x7F, 0xFF)
 """The two e4m3fn NaNs (e4m3fn has no infinities)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread, as the model tests run (OpenMP barriers stall on shared cores);
-    test_thread_split_does_not_change_the_result runs two."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # test_thread_split_... sets two itself
 
 
 def ops(isa: str):
