@@ -536,7 +536,8 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         return 0
     choose_panel_prefetch(use_cache)  # before the shapes are timed: their verdicts depend on it
     verdicts = _verdicts_by_shape(layers, use_cache)
-    preferring = {shape_key(m.weight, _bias(m)) for m in prefer_panels}
+    prefer = {id(m) for m in prefer_panels}  # quantized ones among them hold no float weight: not here
+    preferring = {shape_key(m.weight, _bias(m)) for m in layers if id(m) in prefer}
     choices = {skey: choose(v, mode, prefer_panels=skey in preferring) for skey, v in verdicts.items()}
     copies = _copy_bytes(layers, choices)
     if mode == "auto":

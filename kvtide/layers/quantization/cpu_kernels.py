@@ -81,7 +81,8 @@ def prefill_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     mins = None
     if qw.int8_activations:
         codes, d = quantize_activations(x)
-        mins, group_sums = qw.mins, x.reshape(x.shape[0], -1, qw.group_size).sum(-1)
+        if qw.mins is not None:
+            mins, group_sums = qw.mins, x.reshape(x.shape[0], -1, qw.group_size).sum(-1)
         x = (codes.view(x.shape[0], -1, ACTIVATION_BLOCK) * d.unsqueeze(-1)).view_as(x)
         qw = replace(qw, mins=None, int8_activations=False)
     for start in range(0, n, DEQUANT_ROWS):

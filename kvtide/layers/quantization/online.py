@@ -9,8 +9,8 @@ copy freed:
         activations through torch._scaled_mm on CUDA devices that have FP8 matmul (sm_89+)
   w4a8  int4's weights, and the CPU decode kernel quantizes each activation row to int8 per 32-block
         and sums the products in integers (as llama.cpp's Q4_0/Q4_1 do): about twice int4's batch-1
-        speed, at the activations' rounding. Prefill batches (over DECODE_MAX_ROWS rows) and MoE
-        experts keep float activations. CPU only.
+        speed, at the activations' rounding. Prefill batches round the activations the same way
+        (float GEMMs on them); MoE experts keep float activations. CPU only.
 A tied embedding shares the LM head's quantized table (looked up row by row); an untied one stays
 float (a lookup reads one row per token, not the table). A MoE layer's experts are quantized the same
 way, each expert's w13 and w2 on its own (layers/moe/quantized_experts.py); routers stay float.

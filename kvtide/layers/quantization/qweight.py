@@ -122,6 +122,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 
 
 ACTIVATION_BLOCK = 32
+"""Activations rounded to int8 share one scale per this many consecutive inputs (one int4 block)."""
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,8 @@
 // over output rows. dequantize_rows writes float32 rows, for prefill batches that go through a GEMM.
 //
 // int4 with int8 activations (kind 3, the int4 codes' layout): each activation row is quantized per
-// 32-block (d = max|x| / 127, a = round(x / d)), and a block's products are summed in integers, 64
-// of them an instruction (maddubs: unsigned nibble times signed byte), as llama.cpp's Q4_0 does:
+// 32-block (d = max|x| / 127, a = round(x * 127 / max|x|)), and a block's products are summed in
+// integers, 64 an instruction (maddubs: unsigned nibble times signed byte), as llama.cpp's Q4_0 does:
 //   y[n] = sum_b s[n, g(b)] d_b sum_{k in b} q[n, k] a[k]  +  sum_g m[n, g] sum_{k in g} x[k]
 // The codes per weight byte cost two and-masks and a shift instead of a conversion and an FMA each,
 // so a decode step is bound by the bytes it reads again, not by its arithmetic.
