@@ -22,7 +22,7 @@ each its own worker (server) and its own label in tables and JSON:
 
   kvtide:int8, kvtide:fp8, kvtide:w8a8   the checkpoint quantized at load (--quantization NAME)
   kvtide:int4, kvtide:int4-g32           int4, default group size or 32 (also g64, g128)
-  kvtide:w4a8, kvtide:w4a8-g32           int4 weights x int8 activations at decode (same groups)
+  kvtide:w4a8, kvtide:w4a8-g32           int4 weights x activations rounded to int8 (same groups)
   kvtide:gguf                            kvtide on the GGUF plain llamacpp gets (--gguf), kept quantized;
                                          without --gguf the float32 conversion (a warning says so)
   kvtide:gguf-Q8_0, kvtide:gguf-Q4_0 ... kvtide on the file llamacpp:Q8_0 (...) runs, kept quantized

@@ -356,8 +356,8 @@ FUSION_BUCKETS = ("1", "2-8")
 on weight panels) prefers the panel kernel when it is within FUSION_MARGIN of the fastest."""
 FUSION_MARGIN = 0.15
 """Fusing a layer saves ~35-40 us of per-op time a linear (SmolLM2, 120 linears a step: 4.5 ms of a
-28 ms step on a Xeon with AVX-512, where MKL beat panels by 3-8% on two of its four shapes); at these
-rows a linear takes 50-300 us, so 15% of its time is less than fusing saves."""
+28 ms step on a Xeon with AVX-512, where F.linear matched or beat panels by up to 8% on two of its
+four shapes); at these rows a linear takes 50-300 us, so 15% of its time is less than fusing saves."""
 
 
 def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS,
