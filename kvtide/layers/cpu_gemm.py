@@ -19,7 +19,8 @@ multiple of F.linear's own error against the float64 product (`numerics_ok`). A 
 order in float32 stays inside it; a reduced-precision path (bf16 or tf32 math) is far outside it.
 
 Verdicts are cached on disk per machine (CPU model, ISA, torch version, threads) and shape under
-`cache_root()/gemm/`, so a warm start measures nothing. Every packed weight is an extra copy; a
+`cache_root()/gemm/` (gemm_tuning.py, with the panel kernels' prefetch distance), so a warm start
+measures nothing. Every packed weight is an extra copy; a
 layer keeps at most two packed kinds (MAX_PACKED_KINDS), and `cpu_weight_prepack='auto'` packs only
 when the copies fit in a quarter of the memory available at load time (one kind per layer, if two
 do not fit).
@@ -27,13 +28,9 @@ do not fit).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import math
-import os
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,16 +40,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtide.layers import layer_ops
-from kvtide.machine import last_level_cache_bytes, machine_info
-from kvtide.models.cache_dir import cache_root
+from kvtide.layers.gemm_tuning import (
+    MAX_RING,
+    cache_path,
+    choose_panel_prefetch,
+    load_cache,
+    machine_key,
+    save_cache,
+    stream_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 F_LINEAR = "f.linear"
 PANELS = "panels"
-CACHE_VERSION = 4
-"""Bumped when the candidates or the measurement change, so older verdicts are not reused."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,11 @@ def check_mode(mode: str) -> None:
     """ValueError unless `mode` is a cpu_weight_prepack choice (EngineArgs checks it before loading)."""
     if mode not in MODES:
         raise ValueError(f"cpu_weight_prepack must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+def cache_key() -> dict:
+    """This machine's key in the verdict cache (gemm_tuning.py), with the candidates it runs."""
+    return machine_key(available_candidates())
 
 
 def available_candidates() -> list[str]:
@@ -233,8 +240,6 @@ MAX_PACKED_KINDS = 2
 """Packed copies a layer may keep: a small-row kernel for decode and a GEMM for batches and prefill
 are often different kernels (measured: the panel kernel won at 1-8 rows on a Zen 5 EPYC, oneDNN
 above); each costs a copy of the weight, within 'auto''s memory budget."""
-MAX_RING = 256
-"""At most this many copies of a small weight in the ring."""
 MARGIN = 0.03
 """In 'auto', another kernel must beat F.linear by this fraction (it costs a copy of the weight)."""
 
@@ -296,12 +301,6 @@ def measure_shape(weight: torch.Tensor, bias: torch.Tensor | None, names: list[s
             timings = _time_calls({name: _bound_call(name, x, w, b, copies.get(name)) for name in passing})
         verdicts[bucket.name] = {name: timings.get(name) for name in names}
     return verdicts
-
-
-def stream_bytes() -> int:
-    """Twice the last-level cache (64 MiB where it cannot be read), at most 256 MiB."""
-    llc = last_level_cache_bytes()
-    return min(2 * llc if llc else 64 << 20, 256 << 20)
 
 
 def _weight_ring(w: torch.Tensor, b: torch.Tensor | None, copies: dict[str, torch.Tensor], names: list[str]
@@ -401,105 +400,6 @@ def _choose_each(verdicts: dict[str, dict[str, float | None]], mode: str, allowe
     return choices
 
 
-# ---- the disk cache ------------------------------------------------------------------------------
-def machine_key() -> dict:
-    """What a verdict depends on besides the shape: CPU, ISA, torch and its threads, candidates."""
-    info = machine_info()
-    return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
-            "torch_threads": info["torch_threads"], "candidates": available_candidates(),
-            "version": CACHE_VERSION}
-
-
-def cache_path(key: dict | None = None) -> str:
-    """cache_root()/gemm/<readable machine name>-<hash of the whole key>.json"""
-    key = key or machine_key()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    slug = re.sub(r"[^A-Za-z0-9.+]+", "-", f"{key['cpu_model']}-{key['isa']}-torch{key['torch']}"
-                  f"-t{key['torch_threads']}").strip("-")[:96]
-    return os.path.join(cache_root(), "gemm", f"{slug}-{digest}.json")
-
-
-def _load_file(path: str) -> dict:
-    try:
-        with open(path) as f:
-            content = json.load(f)
-        return content if isinstance(content, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def load_cache(path: str) -> dict[str, dict]:
-    return _load_file(path).get("shapes", {})
-
-
-def save_cache(path: str, key: dict, new: dict[str, dict], panel_prefetch: int | None = None) -> None:
-    """Merge `new` shapes (and the panel prefetch distance) into the file, written whole to a
-    temporary file then renamed over it, so concurrent readers never see half a file (concurrent
-    writers may drop each other's new shapes; those are measured again next time)."""
-    content = _load_file(path)
-    shapes = {**content.get("shapes", {}), **new}
-    prefetch = panel_prefetch if panel_prefetch is not None else content.get("panel_prefetch")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"machine": key, "shapes": shapes, "panel_prefetch": prefetch}, f, indent=1,
-                      sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("could not write the GEMM cache %s: %s", path, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-
-
-# ---- the panel kernel's prefetch distance -----------------------------------------------------------
-PANEL_PREFETCH_CHOICES = (0, 32, 128)
-"""Panel rows the panel kernels may prefetch ahead (0: the hardware prefetcher alone). Streaming one
-row through a weight from memory, a Zen 4 EPYC ran 15-20% faster with none; the kernel was tuned
-with 32 on another machine. Measured once per machine, the first time a model is packed."""
-PREFETCH_PROBE_SHAPE = (1536, 1024)
-"""The weight (N, K) streamed to time each distance: 6 MiB, a mid-size decode linear."""
-
-
-def measure_panel_prefetch(rounds: int = 5) -> dict[int, float]:
-    """Seconds per 1-row panel linear over a ring of weights larger than the cache, per distance:
-    the best of `rounds` interleaved passes over the whole ring (so no pass finds a copy cached)."""
-    n, k = PREFETCH_PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    count = max(2, min(MAX_RING, math.ceil(stream_bytes() / (n * k * 4))))
-    ring = [layer_ops.pack_panels(torch.randn(n, k, generator=gen)) for _ in range(count)]
-    x = torch.randn(1, k, generator=gen)
-    best = dict.fromkeys(PANEL_PREFETCH_CHOICES, math.inf)
-    for _ in range(rounds + 1):  # the first round warms up
-        for distance in PANEL_PREFETCH_CHOICES:
-            layer_ops.set_panel_prefetch(distance)
-            start = time.perf_counter()
-            for panels in ring:
-                layer_ops.linear_panels(x, n, panels, None)
-            best[distance] = min(best[distance], (time.perf_counter() - start) / count)
-    return best
-
-
-def choose_panel_prefetch(use_cache: bool = True) -> int | None:
-    """Set the panel kernels' prefetch distance to this machine's fastest (measured once, then read
-    from the GEMM cache); None where the panel kernel is not built."""
-    if not CANDIDATES["panels"].available():
-        return None
-    path, key = cache_path(), machine_key()
-    distance = _load_file(path).get("panel_prefetch") if use_cache else None
-    if distance not in PANEL_PREFETCH_CHOICES:
-        timings = measure_panel_prefetch()
-        distance = min(timings, key=timings.get)
-        logger.info("GEMM panel prefetch: %d rows ahead (1-row stream, us per call: %s)", distance,
-                    ", ".join(f"{d}: {t * 1e6:.0f}" for d, t in timings.items()))
-        if use_cache:
-            save_cache(path, key, {}, panel_prefetch=distance)
-    layer_ops.set_panel_prefetch(distance)
-    return distance
-
-
 # ---- model load ----------------------------------------------------------------------------------
 def shape_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]}{'+bias' if bias is not None else ''}"
@@ -534,7 +434,7 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
         LAST_CHOICES.update({shape_key(m.weight, _bias(m)): {b.name: F_LINEAR for b in BUCKETS} for m in layers})
     if mode == "off" or not layers:
         return 0
-    choose_panel_prefetch(use_cache)  # before the shapes are timed: their verdicts depend on it
+    choose_panel_prefetch(cache_key(), use_cache)  # before the shapes are timed: their verdicts depend on it
     verdicts = _verdicts_by_shape(layers, use_cache)
     prefer = {id(m) for m in prefer_panels}  # quantized ones among them hold no float weight: not here
     preferring = {shape_key(m.weight, _bias(m)) for m in layers if id(m) in prefer}
@@ -586,7 +486,7 @@ def _copy_bytes(layers: list[nn.Module], choices: dict[str, dict[str, str]]) -> 
 def _verdicts_by_shape(layers: list[nn.Module], use_cache: bool) -> dict[str, dict[str, dict[str, float | None]]]:
     """Measure each distinct shape once, or read its verdicts from the disk cache; a shape left
     unmeasured (MEASURE_BUDGET_S) has F.linear's verdict alone."""
-    key = machine_key()
+    key = cache_key()
     path = cache_path(key)
     cached = load_cache(path) if use_cache else {}
     names = available_candidates()
@@ -622,7 +522,7 @@ def gemm_choices(mode: str = "auto") -> dict[str, dict[str, str]]:
     another process, e.g. a server) what `mode` would choose from this machine's disk cache."""
     if LAST_CHOICES or _PLANNED_HERE:
         return dict(LAST_CHOICES)
-    return {shape: choose(verdicts, mode) for shape, verdicts in sorted(load_cache(cache_path()).items())}
+    return {shape: choose(verdicts, mode) for shape, verdicts in sorted(load_cache(cache_path(cache_key())).items())}
 
 
 def format_choices(choices: dict[str, str]) -> str:

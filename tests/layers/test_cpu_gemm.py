@@ -13,7 +13,7 @@ from torch import nn
 
 from kvtide import LLM, SamplingParams
 from kvtide.engine_args import EngineArgs
-from kvtide.layers import cpu_gemm
+from kvtide.layers import cpu_gemm, gemm_tuning
 from kvtide.layers.cpu_gemm import (
     BUCKETS,
     CANDIDATES,
@@ -160,8 +160,8 @@ def test_verdicts_are_cached_per_machine_and_reused(monkeypatch, tmp_path):
     monkeypatch.undo()
     monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
     _fake_timing(monkeypatch, "onednn-packed")
-    real_info = cpu_gemm.machine_info
-    monkeypatch.setattr(cpu_gemm, "machine_info", lambda: {**real_info(), "cpu_model": "Another CPU"})
+    real_info = gemm_tuning.machine_info
+    monkeypatch.setattr(gemm_tuning, "machine_info", lambda: {**real_info(), "cpu_model": "Another CPU"})
     before = len(cpu_gemm.MEASURED_SHAPES)
     prepack_weights(_layers(), "auto")
     assert len(cpu_gemm.MEASURED_SHAPES) - before == 3
@@ -171,18 +171,18 @@ def test_verdicts_are_cached_per_machine_and_reused(monkeypatch, tmp_path):
 def test_the_panel_prefetch_is_measured_once_per_machine(monkeypatch, tmp_path):
     if not CANDIDATES["panels"].available():
         pytest.skip("the panel kernel is not built here")
-    measured = cpu_gemm.measure_panel_prefetch(rounds=1)  # for real: every distance timed
-    assert set(measured) == set(cpu_gemm.PANEL_PREFETCH_CHOICES) and all(0 < t < 1 for t in measured.values())
+    measured = gemm_tuning.measure_panel_prefetch(rounds=1)  # for real: every distance timed
+    assert set(measured) == set(gemm_tuning.PANEL_PREFETCH_CHOICES) and all(0 < t < 1 for t in measured.values())
     set_to = []
-    monkeypatch.setattr(cpu_gemm.layer_ops, "set_panel_prefetch", set_to.append)
-    monkeypatch.setattr(cpu_gemm, "measure_panel_prefetch", lambda: {0: 3e-4, 32: 1e-4, 128: 2e-4})
+    monkeypatch.setattr(gemm_tuning.layer_ops, "set_panel_prefetch", set_to.append)
+    monkeypatch.setattr(gemm_tuning, "measure_panel_prefetch", lambda: {0: 3e-4, 32: 1e-4, 128: 2e-4})
     _fake_timing(monkeypatch, "onednn-packed")
     prepack_weights(_layers(), "auto")
     assert set_to == [32]
-    monkeypatch.setattr(cpu_gemm, "measure_panel_prefetch", lambda: pytest.fail("measured on a warm start"))
+    monkeypatch.setattr(gemm_tuning, "measure_panel_prefetch", lambda: pytest.fail("measured on a warm start"))
     prepack_weights(_layers(seed=1), "auto")  # read back with the shapes' verdicts
     assert set_to == [32, 32]
-    assert len(cpu_gemm.load_cache(cpu_gemm.cache_path())) == 3
+    assert len(gemm_tuning.load_cache(gemm_tuning.cache_path(cpu_gemm.cache_key()))) == 3
 
 
 def test_off_never_packs_or_measures(monkeypatch):

@@ -1,0 +1,134 @@
+"""What the CPU GEMM choice (cpu_gemm.py) keeps per machine: the verdict cache on disk, how much
+weight a timing streams so that it reads from memory, and the panel kernels' prefetch distance,
+measured once and kept in the same cache file.
+
+    cache_root()/gemm/<cpu>-<isa>-torch<v>-t<threads>-<hash of machine_key>.json
+        {"machine": key, "shapes": {shape: {bucket: {candidate: seconds or null}}}, "panel_prefetch": rows}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+
+import torch
+
+from kvtide.layers import layer_ops
+from kvtide.machine import last_level_cache_bytes, machine_info
+from kvtide.models.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 4
+"""Bumped when the candidates or the measurement change, so older verdicts are not reused."""
+MAX_RING = 256
+"""At most this many copies of a small weight in a ring streamed from memory."""
+
+
+def stream_bytes() -> int:
+    """Bytes a ring of weight copies spans so that going round it reads from memory: twice the
+    last-level cache (64 MiB where it cannot be read), at most 256 MiB."""
+    llc = last_level_cache_bytes()
+    return min(2 * llc if llc else 64 << 20, 256 << 20)
+
+
+# ---- the disk cache ------------------------------------------------------------------------------
+def machine_key(candidates: list[str]) -> dict:
+    """What a verdict depends on besides the shape: CPU, ISA, torch and its threads, candidates."""
+    info = machine_info()
+    return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
+            "torch_threads": info["torch_threads"], "candidates": candidates, "version": CACHE_VERSION}
+
+
+def cache_path(key: dict) -> str:
+    """cache_root()/gemm/<readable machine name>-<hash of the whole key>.json"""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9.+]+", "-", f"{key['cpu_model']}-{key['isa']}-torch{key['torch']}"
+                  f"-t{key['torch_threads']}").strip("-")[:96]
+    return os.path.join(cache_root(), "gemm", f"{slug}-{digest}.json")
+
+
+def _load_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            content = json.load(f)
+        return content if isinstance(content, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def load_cache(path: str) -> dict[str, dict]:
+    return _load_file(path).get("shapes", {})
+
+
+def save_cache(path: str, key: dict, new: dict[str, dict], panel_prefetch: int | None = None) -> None:
+    """Merge `new` shapes (and the panel prefetch distance) into the file, written whole to a
+    temporary file then renamed over it, so concurrent readers never see half a file (concurrent
+    writers may drop each other's new shapes; those are measured again next time)."""
+    content = _load_file(path)
+    shapes = {**content.get("shapes", {}), **new}
+    prefetch = panel_prefetch if panel_prefetch is not None else content.get("panel_prefetch")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"machine": key, "shapes": shapes, "panel_prefetch": prefetch}, f, indent=1,
+                      sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not write the GEMM cache %s: %s", path, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+# ---- the panel kernel's prefetch distance -----------------------------------------------------------
+PANEL_PREFETCH_CHOICES = (0, 32, 128)
+"""Panel rows the panel kernels may prefetch ahead (0: the hardware prefetcher alone). Streaming one
+row through a weight from memory, a Zen 4 EPYC ran 15-20% faster with none; the kernel was tuned
+with 32 on another machine. Measured once per machine, the first time a model is packed."""
+PREFETCH_PROBE_SHAPE = (1536, 1024)
+"""The weight (N, K) streamed to time each distance: 6 MiB, a mid-size decode linear."""
+
+
+def measure_panel_prefetch(rounds: int = 5) -> dict[int, float]:
+    """Seconds per 1-row panel linear over a ring of weights larger than the cache, per distance:
+    the best of `rounds` interleaved passes over the whole ring (so no pass finds a copy cached)."""
+    n, k = PREFETCH_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    count = max(2, min(MAX_RING, math.ceil(stream_bytes() / (n * k * 4))))
+    ring = [layer_ops.pack_panels(torch.randn(n, k, generator=gen)) for _ in range(count)]
+    x = torch.randn(1, k, generator=gen)
+    best = dict.fromkeys(PANEL_PREFETCH_CHOICES, math.inf)
+    for _ in range(rounds + 1):  # the first round warms up
+        for distance in PANEL_PREFETCH_CHOICES:
+            layer_ops.set_panel_prefetch(distance)
+            start = time.perf_counter()
+            for panels in ring:
+                layer_ops.linear_panels(x, n, panels, None)
+            best[distance] = min(best[distance], (time.perf_counter() - start) / count)
+    return best
+
+
+def choose_panel_prefetch(key: dict, use_cache: bool = True) -> int | None:
+    """Set the panel kernels' prefetch distance to this machine's fastest (measured once, then read
+    from the cache file of `key`); None where the panel kernel is not built."""
+    if layer_ops.layer_op("linear_panels") is None:
+        return None
+    path = cache_path(key)
+    distance = _load_file(path).get("panel_prefetch") if use_cache else None
+    if distance not in PANEL_PREFETCH_CHOICES:
+        timings = measure_panel_prefetch()
+        distance = min(timings, key=timings.get)
+        logger.info("GEMM panel prefetch: %d rows ahead (1-row stream, us per call: %s)", distance,
+                    ", ".join(f"{d}: {t * 1e6:.0f}" for d, t in timings.items()))
+        if use_cache:
+            save_cache(path, key, {}, panel_prefetch=distance)
+    layer_ops.set_panel_prefetch(distance)
+    return distance
