@@ -375,17 +375,16 @@ int scale_mode(int64_t group) {
   return group % (2 * kChunkBytes) == 0 ? kScalesWide : kScalesGeneral;
 }
 
-// out[r, n] for R activation rows (indices rows[0..R)) and weight row n.
+// out[m0 + i, n] for R activation rows m0.. and weight row n.
 template <int R, int kMode>
-void int4a8_rows(const Weight& w, const Int8Activations& a, const int64_t* rows, int64_t n, float* out,
-                 int64_t n_total) {
+void int4a8_rows(const Weight& w, const Int8Activations& a, int64_t m0, int64_t n, float* out, int64_t n_total) {
   const uint8_t* wrow = w.codes + n * w.row_bytes;
   const float* srow = w.scales + n * w.groups;
   const int8_t* arow[R];
   const float* drow[R];
   for (int i = 0; i < R; ++i) {
-    arow[i] = a.codes.data() + rows[i] * a.row_bytes;
-    drow[i] = a.lane_d.data() + rows[i] * a.chunks * kChunkLanes;
+    arow[i] = a.codes.data() + (m0 + i) * a.row_bytes;
+    drow[i] = a.lane_d.data() + (m0 + i) * a.chunks * kChunkLanes;
   }
   float result[R];
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -434,20 +433,20 @@ void int4a8_rows(const Weight& w, const Int8Activations& a, const int64_t* rows,
 #endif
   if (w.mins != nullptr) {
     const float* mrow = w.mins + n * w.groups;
-    for (int i = 0; i < R; ++i) result[i] += dot_floats(mrow, a.group_sums.data() + rows[i] * a.groups, w.groups);
+    for (int i = 0; i < R; ++i) result[i] += dot_floats(mrow, a.group_sums.data() + (m0 + i) * a.groups, w.groups);
   }
-  for (int i = 0; i < R; ++i) out[rows[i] * n_total + n] = result[i];
+  for (int i = 0; i < R; ++i) out[(m0 + i) * n_total + n] = result[i];
 }
 
 template <int kMode>
-void int4a8_tile(const Weight& w, const Int8Activations& a, const int64_t* rows, int64_t r, int64_t n0, int64_t n1,
+void int4a8_tile(const Weight& w, const Int8Activations& a, int64_t m0, int64_t r, int64_t n0, int64_t n1,
                  float* out, int64_t n_total) {
   for (int64_t n = n0; n < n1; ++n) {
     switch (r) {
-      case 1: int4a8_rows<1, kMode>(w, a, rows, n, out, n_total); break;
-      case 2: int4a8_rows<2, kMode>(w, a, rows, n, out, n_total); break;
-      case 3: int4a8_rows<3, kMode>(w, a, rows, n, out, n_total); break;
-      default: int4a8_rows<4, kMode>(w, a, rows, n, out, n_total); break;
+      case 1: int4a8_rows<1, kMode>(w, a, m0, n, out, n_total); break;
+      case 2: int4a8_rows<2, kMode>(w, a, m0, n, out, n_total); break;
+      case 3: int4a8_rows<3, kMode>(w, a, m0, n, out, n_total); break;
+      default: int4a8_rows<4, kMode>(w, a, m0, n, out, n_total); break;
     }
   }
 }
@@ -547,14 +546,12 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
     quantize_activations(xp, m, k, group_size, a);
     const int mode = scale_mode(group_size);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      int64_t rows[kRows];
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         const int64_t r = std::min(kRows, m - m0);
-        for (int64_t i = 0; i < r; ++i) rows[i] = m0 + i;
         switch (mode) {
-          case kScalesPerBlock: int4a8_tile<kScalesPerBlock>(w, a, rows, r, n0, n1, op, n); break;
-          case kScalesWide: int4a8_tile<kScalesWide>(w, a, rows, r, n0, n1, op, n); break;
-          default: int4a8_tile<kScalesGeneral>(w, a, rows, r, n0, n1, op, n); break;
+          case kScalesPerBlock: int4a8_tile<kScalesPerBlock>(w, a, m0, r, n0, n1, op, n); break;
+          case kScalesWide: int4a8_tile<kScalesWide>(w, a, m0, r, n0, n1, op, n); break;
+          default: int4a8_tile<kScalesGeneral>(w, a, m0, r, n0, n1, op, n); break;
         }
       }
     });
