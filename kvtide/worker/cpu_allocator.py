@@ -1,4 +1,5 @@
-"""glibc malloc tuning for CPU inference: keep large activations on reused heap pages.
+"""Memory placement for CPU inference: large activations on reused heap pages, the KV pool on
+huge pages.
 
 glibc serves allocations above its mmap threshold (dynamic, at most 32 MiB) with fresh mmap()ed
 pages and unmaps them on free, so every prefill step's large activations (e.g. 8k tokens x 4096
@@ -7,6 +8,13 @@ the worker threads) anew. On the bench model's 8k-token prefill step that was 5.
 freed memory is kept for the next step) serves them from the heap instead; this is what vLLM's
 CPU docs get by preloading tcmalloc. The process keeps its peak memory instead of returning it,
 the right trade for a long-running engine.
+
+The KV pool is read in 4 KiB runs (one block of one KV head) scattered over the whole pool, so
+with 4 KiB pages nearly every block read also misses the TLB and starts a page walk.
+On 2 MiB transparent huge pages (madvise(MADV_HUGEPAGE) before the pool is first touched, and
+MADV_COLLAPSE for pages the heap had already faulted in) the decode attention call took 12-13%
+less time (scripts/bench_cpu_attention.py, 64 rows x 128-384 tokens, a Xeon with AVX-512).
+KVTIDE_HUGE_PAGES=0 keeps 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -14,7 +22,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +33,10 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _THRESHOLD = 1 << 30
 _tuned = False
+
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+; older kernels answer EINVAL and the pages stay as they are
+_HUGE_PAGE = 2 << 20
 
 
 def keep_large_allocations_on_heap() -> bool:
@@ -41,3 +56,45 @@ def keep_large_allocations_on_heap() -> bool:
     if _tuned:
         logger.debug("glibc mallopt: mmap and trim thresholds at %d bytes", _THRESHOLD)
     return _tuned
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
+    """Back a contiguous CPU tensor's whole 2 MiB-aligned pages with transparent huge pages:
+    MADV_HUGEPAGE (pages faulted in from now on) and, with `collapse`, MADV_COLLAPSE (pages already
+    there). Returns the bytes advised; 0 where nothing was (not Linux, not CPU, not contiguous,
+    under 2 MiB, KVTIDE_HUGE_PAGES=0). The kernel may still decline (THP set to never, no free huge
+    pages): the tensor works the same."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or not sys.platform.startswith("linux")
+            or os.environ.get("KVTIDE_HUGE_PAGES", "1") == "0"):
+        return 0
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    libc = _libc()
+    if last <= first or libc is None:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(first, last - first, _MADV_HUGEPAGE) != 0:
+        return 0
+    if collapse:
+        libc.madvise(first, last - first, _MADV_COLLAPSE)
+    return last - first
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, on huge pages where advise_huge_pages can have them: advised before the zeroing
+    first touches the memory (those faults map huge pages directly), collapsed after it (the pages
+    the heap had already faulted in)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    advised = advise_huge_pages(tensor, collapse=False)
+    tensor.zero_()
+    if advised:
+        advise_huge_pages(tensor)
+    return tensor

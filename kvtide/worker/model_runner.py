@@ -31,7 +31,7 @@ from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from kvtide.testing.faults import FAULTS  # test-only fault injection, None unless KVTIDE_FAULT_INJECT is set
-from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap
+from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap, zeros_on_huge_pages
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class ModelRunner:
         self._own_layout_caches = []
         for attn in layers:
             shape = layer_cache_shape(attn, self.attention_backend, num_blocks, self.block_size)
-            attn.kv_cache = torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
+            attn.kv_cache = zeros_on_huge_pages(shape, self.kv_tensor_dtype, self.device)
             attn.backend = self.attention_backend
             if has_own_cache_layout(attn):
                 self._own_layout_caches.append((attn, attn.kv_cache))
@@ -215,7 +215,7 @@ class ModelRunner:
         assert len(shapes) == 1 and not any(has_own_cache_layout(a) for a in layers), \
             "layer groups need one cache shape in every layer"
         shape = shapes.pop()
-        slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
+        slots = [zeros_on_huge_pages(shape, self.kv_tensor_dtype, self.device)
                  for _ in range(num_slots(slots_of))]
         for i, attn in enumerate(layers):
             g, j = slots_of[start + i]
