@@ -272,11 +272,36 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
   }
 }
 
-// acc_t = acc_t * alpha_t + sum_j p_t[j] v_j for N queries over keys [ja, jb).
+// acc_t = acc_t * alpha_t + sum_j p_t[j] v_j for N queries over keys [ja, jb). kC chunks of D a pass
+// keep N * kC independent FMA chains going (one chunk a pass left N, latency-bound); each element
+// still sums its terms in key order.
 template <int N>
 inline void weighted_sum(float* const* acc, const float* alpha, const float* const* p, const float* v,
                          int64_t ja, int64_t jb, int64_t D) {
+  constexpr int64_t kC = kV >= 16 ? 4 : 2;  // N * kC accumulators and kC values stay in registers
   int64_t c = 0;
+  for (; c + kC * kV <= D; c += kC * kV) {
+    Vec a[N][kC];
+#pragma GCC unroll 4
+    for (int t = 0; t < N; ++t)
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < kC; ++u) a[t][u] = Vec::loadu(acc[t] + c + u * kV) * Vec(alpha[t]);
+    for (int64_t j = ja; j < jb; ++j) {
+      Vec vc[kC];
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < kC; ++u) vc[u] = Vec::loadu(v + j * D + c + u * kV);
+#pragma GCC unroll 4
+      for (int t = 0; t < N; ++t) {
+        const Vec pt(p[t][j]);
+#pragma GCC unroll 4
+        for (int64_t u = 0; u < kC; ++u) a[t][u] = at::vec::fmadd(pt, vc[u], a[t][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < N; ++t)
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < kC; ++u) a[t][u].store(acc[t] + c + u * kV);
+  }
   for (; c + kV <= D; c += kV) {
     Vec a[N];
 #pragma GCC unroll 4
