@@ -39,6 +39,13 @@ _MADV_COLLAPSE = 25  # Linux 6.1+; older kernels answer EINVAL and the pages sta
 _HUGE_PAGE = 2 << 20
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def keep_large_allocations_on_heap() -> bool:
     """Set glibc's mmap and trim thresholds to 1 GiB, once per process. False where there is no
     glibc (macOS, musl) or it refused; nothing else changes then."""
@@ -47,22 +54,13 @@ def keep_large_allocations_on_heap() -> bool:
         return True
     if not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
     if _tuned:
         logger.debug("glibc mallopt: mmap and trim thresholds at %d bytes", _THRESHOLD)
     return _tuned
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:

@@ -1,11 +1,16 @@
-"""keep_large_allocations_on_heap: large activations come from glibc's heap, not fresh mmaps."""
+"""keep_large_allocations_on_heap: large activations come from glibc's heap, not fresh mmaps;
+zeros_on_huge_pages: the KV pool on transparent huge pages."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from kvtide.worker.cpu_allocator import advise_huge_pages
 
 _PROBE = """
 import sys, torch
@@ -32,8 +37,9 @@ def test_large_activations_are_served_from_the_heap():
 
 _HUGE_PROBE = """
 import torch
-from kvtide.worker.cpu_allocator import zeros_on_huge_pages
-junk = torch.ones(96 << 20 >> 2)  # pages the heap has faulted in already, freed for reuse
+from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap, zeros_on_huge_pages
+assert keep_large_allocations_on_heap()  # as the engine does: the pool can reuse heap pages
+junk = torch.ones(96 << 20 >> 2)  # pages the heap has faulted in, kept after the free
 del junk
 x = zeros_on_huge_pages((64 << 20 >> 2,), torch.float32, "cpu")
 assert x.shape == (64 << 20 >> 2,) and not x.any()
@@ -50,8 +56,6 @@ print(huge)
 
 
 def _huge_bytes(env: dict[str, str]) -> int:
-    import os
-
     out = subprocess.run([sys.executable, "-c", _HUGE_PROBE], capture_output=True, text=True, check=True,
                          env={**os.environ, **env})
     return int(out.stdout.strip().splitlines()[-1])
@@ -76,10 +80,6 @@ def test_kv_pool_lands_on_huge_pages():
 
 
 def test_advise_huge_pages_declines_what_it_cannot_advise(monkeypatch):
-    import torch
-
-    from kvtide.worker.cpu_allocator import advise_huge_pages
-
     assert advise_huge_pages(torch.zeros(1024)) == 0  # under one aligned 2 MiB page
     assert advise_huge_pages(torch.zeros(8 << 20 >> 2)[::2]) == 0  # not contiguous
     monkeypatch.setenv("KVTIDE_HUGE_PAGES", "0")
