@@ -20,10 +20,9 @@ order in float32 stays inside it; a reduced-precision path (bf16 or tf32 math) i
 
 Verdicts are cached on disk per machine (CPU model, ISA, torch version, threads) and shape under
 `cache_root()/gemm/` (gemm_tuning.py, with the panel kernels' prefetch distance), so a warm start
-measures nothing. Every packed weight is an extra copy; a
-layer keeps at most two packed kinds (MAX_PACKED_KINDS), and `cpu_weight_prepack='auto'` packs only
-when the copies fit in a quarter of the memory available at load time (one kind per layer, if two
-do not fit).
+measures nothing. Every packed weight is an extra copy; a layer keeps at most two packed kinds
+(MAX_PACKED_KINDS), and `cpu_weight_prepack='auto'` packs only when the copies fit in a quarter of
+the memory available at load time (one kind per layer, if two do not fit).
 """
 
 from __future__ import annotations

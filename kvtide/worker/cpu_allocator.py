@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -39,11 +40,16 @@ _MADV_COLLAPSE = 25  # Linux 6.1+; older kernels answer EINVAL and the pages sta
 _HUGE_PAGE = 2 << 20
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """glibc, found once (find_library runs a subprocess); None where it cannot be loaded."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
+    if hasattr(libc, "madvise"):
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def keep_large_allocations_on_heap() -> bool:
@@ -76,9 +82,8 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
     libc = _libc()
-    if last <= first or libc is None:
+    if last <= first or not hasattr(libc, "madvise"):
         return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(first, last - first, _MADV_HUGEPAGE) != 0:
         return 0
     if collapse:
