@@ -209,11 +209,21 @@ def _load(model_dir: str):
     return load_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, max_model_len=64)
 
 
+def _same_product_on_every_rank(stacked: torch.Tensor, rows: int, rounds: int = 5) -> bool:
+    """expert_linear's choice of product by row bucket instead of by timing: a rank's outputs are
+    compared with another process's world-size-1 layer, and a verdict timed in each process may
+    differ under load (their sums then differ in the last bit). Decode buckets take (w @ x.T).T,
+    larger ones F.linear, so both products run."""
+    return rows <= 4
+
+
 def _rank_main(rank: int, port: int, results, checkpoints: dict[str, str]) -> None:
     from kvtide.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from kvtide.layers.moe import fused_moe
 
     try:
         torch.set_num_threads(1)
+        fused_moe._weight_major_is_faster = _same_product_on_every_rank
         refs = {name: _build_layer(name, case) for name, case in LAYER_CASES.items()}  # world size 1
         ref_models = {name: _load(path) for name, path in checkpoints.items()}
         init_distributed(ParallelLayout(tensor_parallel_size=NUM_RANKS, rank=rank, enable_expert_parallel=True),
@@ -280,8 +290,8 @@ def reports(checkpoint_factory) -> list[dict]:
 @pytest.mark.parametrize("name", list(LAYER_CASES))
 def test_outputs_equal_world_size_one(reports, name):
     """Without replicas an expert's rows arrive in global token order, the same matrix world size 1
-    multiplies (same process, same kernels, rows 256-byte aligned), and combine adds a token's choices
-    in world size 1's order: bitwise equal. A replicated expert splits its rows over two products."""
+    multiplies (with the same product on both ranks, rows 256-byte aligned), and combine adds a
+    token's choices in world size 1's order: bitwise equal. A replicated expert splits its rows over two products."""
     case = LAYER_CASES[name]
     exact = 0
     for rank, report in enumerate(reports):
