@@ -8,6 +8,7 @@ measured once and kept in the same cache file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -39,10 +40,17 @@ def stream_bytes() -> int:
 
 # ---- the disk cache ------------------------------------------------------------------------------
 def machine_key(candidates: list[str]) -> dict:
-    """What a verdict depends on besides the shape: CPU, ISA, torch and its threads, candidates."""
+    """What a verdict depends on besides the shape: CPU, ISA, torch and its threads, candidates, and
+    the source of the panel kernels (a verdict timed on an older panel kernel is not kept)."""
     info = machine_info()
     return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
-            "torch_threads": info["torch_threads"], "candidates": candidates, "version": CACHE_VERSION}
+            "torch_threads": info["torch_threads"], "candidates": candidates, "version": CACHE_VERSION,
+            "panel_source": _panel_source_digest()}
+
+
+@functools.cache
+def _panel_source_digest() -> str:
+    return hashlib.sha256(layer_ops.SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def cache_path(key: dict) -> str:
