@@ -168,6 +168,23 @@ def test_verdicts_are_cached_per_machine_and_reused(monkeypatch, tmp_path):
     assert len(glob.glob(os.path.join(tmp_path, "cache", "gemm", "*.json"))) == 2
 
 
+def test_a_changed_panel_kernel_is_measured_again(monkeypatch, tmp_path):
+    """Verdicts timed on one panel kernel are not kept for another (e.g. after an upgrade)."""
+    _fake_timing(monkeypatch, "onednn-packed")
+    prepack_weights(_layers(), "auto")
+    before = len(cpu_gemm.MEASURED_SHAPES)
+    edited = tmp_path / "layer_ops.cpp"
+    edited.write_bytes(gemm_tuning.layer_ops.SOURCE.read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(gemm_tuning.layer_ops, "SOURCE", edited)
+    gemm_tuning._panel_source_digest.cache_clear()
+    try:
+        prepack_weights(_layers(), "auto")
+    finally:
+        gemm_tuning._panel_source_digest.cache_clear()
+    assert len(cpu_gemm.MEASURED_SHAPES) - before == 3
+    assert len(glob.glob(os.path.join(tmp_path, "cache", "gemm", "*.json"))) == 2
+
+
 def test_the_panel_prefetch_is_measured_once_per_machine(monkeypatch, tmp_path):
     if not CANDIDATES["panels"].available():
         pytest.skip("the panel kernel is not built here")
