@@ -291,7 +291,8 @@ def reports(checkpoint_factory) -> list[dict]:
 def test_outputs_equal_world_size_one(reports, name):
     """Without replicas an expert's rows arrive in global token order, the same matrix world size 1
     multiplies (with the same product on both ranks, rows 256-byte aligned), and combine adds a
-    token's choices in world size 1's order: bitwise equal. A replicated expert splits its rows over two products."""
+    token's choices in world size 1's order: bitwise equal. A replicated expert splits its rows
+    over two products."""
     case = LAYER_CASES[name]
     exact = 0
     for rank, report in enumerate(reports):
