@@ -349,13 +349,15 @@ def _passing(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, names: li
 
 
 # ---- choosing ------------------------------------------------------------------------------------
-FUSION_BUCKETS = ("1", "2-8")
+FUSION_BUCKETS = ("1", "2-8", "9-64")
 """Decode row counts at which a model that runs each decoder layer as one call (layers/fused_decode.py,
 on weight panels) prefers the panel kernel when it is within FUSION_MARGIN of the fastest."""
 FUSION_MARGIN = 0.15
-"""Fusing a layer saves ~35-40 us of per-op time a linear (SmolLM2, 120 linears a step: 4.5 ms of a
-28 ms step on a Xeon with AVX-512, where F.linear matched or beat panels by up to 8% on two of its
-four shapes); at these rows a linear takes 50-300 us, so 15% of its time is less than fusing saves."""
+"""Fusing a layer saves ~35-40 us of per-op time a linear at 1-8 rows (SmolLM2, 120 linears a step:
+4.5 ms of a 28 ms step on a Xeon with AVX-512, where F.linear matched or beat panels by up to 8% on
+two of its four shapes), where a linear takes 50-300 us. At 64 rows it saved ~150 us a linear (the
+bench model's step on the same Xeon: 92 -> 84 ms with AVX-512, 118-122 -> 110-115 ms with AVX2
+code paths), against 0.35-1.7 ms a linear: 15% of its time there is still about what fusing saves."""
 
 
 def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS,

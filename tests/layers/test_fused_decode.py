@@ -114,7 +114,7 @@ def test_a_draft_model_decodes_fused_too(checkpoint_factory, monkeypatch, fused_
 
 def test_panels_are_preferred_at_decode_rows_where_the_layers_can_fuse(checkpoint_factory, monkeypatch):
     """Timing faked with MKL 10% faster than panels everywhere: a Llama model's decoder linears still
-    get panels at 1-8 rows (and run fused there), MKL above; its LM head (not part of a fused layer)
+    get panels at 1-64 rows (and run fused there), MKL above; its LM head (not part of a fused layer)
     and a model whose layers cannot fuse (q/k norms) keep MKL."""
     monkeypatch.setattr(cpu_gemm, "_time_calls", lambda fns: {
         name: {"panels": 1.1e-4, "mkl-packed": 1e-4, cpu_gemm.F_LINEAR: 1e-3}.get(name, 1e-2) for name in fns})
@@ -123,11 +123,12 @@ def test_panels_are_preferred_at_decode_rows_where_the_layers_can_fuse(checkpoin
     llm, _ = _generate(checkpoint_factory("LlamaForCausalLM"), True, monkeypatch)
     model = llm.engine.core.executor.runner.model
     rows_ok = model.fused_decode.rows_ok
-    assert all(rows_ok[1:9]) and not any(rows_ok[9:])
+    assert all(rows_ok[1:65]) and not any(rows_ok[65:])
     head = cpu_gemm.shape_key(model.lm_head.weight, None)
     layers = {k: c for k, c in cpu_gemm.LAST_CHOICES.items() if k != head}
     assert len(layers) >= 3 and {c["1"] for c in layers.values()} == {"panels"}
-    assert {c["9-64"] for c in layers.values()} == {"mkl-packed"}
+    assert {c["9-64"] for c in layers.values()} == {"panels"}
+    assert {c["65-256"] for c in layers.values()} == {"mkl-packed"}
     assert set(cpu_gemm.LAST_CHOICES[head].values()) == {"mkl-packed"}
     llm, _ = _generate(checkpoint_factory("Qwen3ForCausalLM"), True, monkeypatch)
     assert llm.engine.core.executor.runner.model.fused_decode is None
