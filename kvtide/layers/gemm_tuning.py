@@ -8,7 +8,6 @@ measured once and kept in the same cache file.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -19,6 +18,7 @@ import time
 
 import torch
 
+from kvtide.attention.cpu_extension import available_isas, build_directory
 from kvtide.layers import layer_ops
 from kvtide.machine import last_level_cache_bytes, machine_info
 from kvtide.models.cache_dir import cache_root
@@ -41,16 +41,11 @@ def stream_bytes() -> int:
 # ---- the disk cache ------------------------------------------------------------------------------
 def machine_key(candidates: list[str]) -> dict:
     """What a verdict depends on besides the shape: CPU, ISA, torch and its threads, candidates, and
-    the source of the panel kernels (a verdict timed on an older panel kernel is not kept)."""
+    the panel kernel's build (its source and flags: a verdict timed on another build is not kept)."""
     info = machine_info()
     return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
             "torch_threads": info["torch_threads"], "candidates": candidates, "version": CACHE_VERSION,
-            "panel_source": _panel_source_digest()}
-
-
-@functools.cache
-def _panel_source_digest() -> str:
-    return hashlib.sha256(layer_ops.SOURCE.read_bytes()).hexdigest()[:12]
+            "panel_build": build_directory(available_isas()[0], layer_ops.SOURCE).name}
 
 
 def cache_path(key: dict) -> str:
