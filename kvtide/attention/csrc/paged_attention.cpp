@@ -192,6 +192,36 @@ inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does n
 }
 #endif
 
+// The lines of the block a query reads next, asked for a few at a time while it attends this one
+// (Lines::step in the inner loops of dots and weighted_sum). Asked for all at once, as before, they
+// filled the core's line-fill buffers, and the FMAs of the block being attended waited behind them:
+// a decode step's attention took as long as reading its K/V plus computing on it, not the larger of
+// the two. Into L2 (prefetcht1): a block is used once, within the next block's time.
+struct Lines {
+  const char* at[2] = {nullptr, nullptr};  // K's and V's next line, or one span for a quantized block
+  const char* end[2] = {nullptr, nullptr};
+  int64_t rate = 0;    // lines per step, in 1/256ths
+  int64_t credit = 0;  // 1/256ths of a line owed
+
+  // Spreads the remaining lines evenly over `steps` steps.
+  void spread(int64_t steps) {
+    const int64_t lines = ((end[0] - at[0]) + (end[1] - at[1])) / 64;
+    rate = (256 * lines + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  inline void step() {
+    for (credit += rate; credit >= 256; credit -= 256) {
+      const int i = at[0] < end[0] ? 0 : 1;
+      if (at[i] >= end[i]) return;
+      __builtin_prefetch(at[i], 0, 2);
+      at[i] += 64;
+    }
+  }
+  void finish() {  // whatever the steps left
+    for (int i = 0; i < 2; ++i)
+      for (; at[i] < end[i]; at[i] += 64) __builtin_prefetch(at[i], 0, 2);
+  }
+};
+
 // ---- attention -----------------------------------------------------------------------------------
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -233,7 +263,7 @@ inline Vec transpose_sum(const Vec* v) {
 // AVX2/AVX-512, kV keys at a time: one accumulator per key, reduced together by transpose_sum.
 template <int N>
 inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, int64_t D,
-                 float* const* scores) {
+                 float* const* scores, Lines& pf) {
   int64_t j = ja;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const int64_t dv = D - D % kV;
@@ -244,6 +274,7 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kV; ++i) acc[i] = Vec(0.f);
       for (int64_t c = 0; c < dv; c += kV) {
+        pf.step();
         const Vec qc = Vec::loadu(q[t] + c);
 #pragma GCC unroll 16
         for (int64_t i = 0; i < kV; ++i) acc[i] = at::vec::fmadd(qc, Vec::loadu(kj + i * D + c), acc[i]);
@@ -275,10 +306,12 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
 // acc_t = acc_t * alpha_t + sum_j p_t[j] v_j for N queries over keys [ja, jb). kC chunks of D a pass
 // keep N * kC independent FMA chains going (one chunk a pass left N, latency-bound); each element
 // still sums its terms in key order.
+constexpr int64_t kValueChunks = kV >= 16 ? 4 : 2;  // N * kC accumulators and kC values stay in registers
+
 template <int N>
 inline void weighted_sum(float* const* acc, const float* alpha, const float* const* p, const float* v,
-                         int64_t ja, int64_t jb, int64_t D) {
-  constexpr int64_t kC = kV >= 16 ? 4 : 2;  // N * kC accumulators and kC values stay in registers
+                         int64_t ja, int64_t jb, int64_t D, Lines& pf) {
+  constexpr int64_t kC = kValueChunks;
   int64_t c = 0;
   for (; c + kC * kV <= D; c += kC * kV) {
     Vec a[N][kC];
@@ -287,6 +320,7 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
 #pragma GCC unroll 4
       for (int64_t u = 0; u < kC; ++u) a[t][u] = Vec::loadu(acc[t] + c + u * kV) * Vec(alpha[t]);
     for (int64_t j = ja; j < jb; ++j) {
+      pf.step();
       Vec vc[kC];
 #pragma GCC unroll 4
       for (int64_t u = 0; u < kC; ++u) vc[u] = Vec::loadu(v + j * D + c + u * kV);
@@ -321,6 +355,15 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
       acc[t][c] = a;
     }
   }
+}
+
+// How many times dots<n> and weighted_sum<n> call Lines::step over `keys` keys.
+inline int64_t prefetch_steps(int64_t n, int64_t keys, int64_t D) {
+  int64_t steps = keys * (D / (kValueChunks * kV));
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  steps += (keys / kV) * n * (D / kV);
+#endif
+  return steps;
 }
 
 // Scores in [ja, jb) -> weights relative to the query's new running max; returns the rescale factor
@@ -415,20 +458,14 @@ struct Workspace {
 
 // ---- where a block's K and V come from -----------------------------------------------------------
 // A source's load(h, block, ja, jb, w) gives KV head h's K and V of cache block `block` as float
-// (block_size, D) arrays whose rows [ja, jb) hold the keys attended; prefetch_block(h, block) asks
-// for the bytes a later load(h, block, ...) reads.
+// (block_size, D) arrays whose rows [ja, jb) hold the keys attended; lines(h, block) are the bytes a
+// later load(h, block, ...) reads. A row's blocks lie anywhere in the pool, where the hardware
+// prefetchers cannot follow, so each block is asked for while the one before is attended.
 
 struct KVRows {
   const float* k;
   const float* v;
 };
-
-// Asks for n bytes at p to be brought into cache: a row's blocks lie anywhere in the pool, where the
-// hardware prefetchers cannot follow, so each block is requested while the one before is attended.
-inline void prefetch(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i);
-}
 
 // A float cache: float32 blocks are read in place, bfloat16 and float16 ones converted.
 template <typename cache_t>
@@ -449,9 +486,13 @@ struct FloatBlocks {
     }
   }
 
-  void prefetch_block(int64_t h, int64_t block) const {
-    prefetch(kv + h * head_elems + block * block_elems, block_elems * sizeof(cache_t));
-    prefetch(kv + (num_kv_heads + h) * head_elems + block * block_elems, block_elems * sizeof(cache_t));
+  Lines lines(int64_t h, int64_t block) const {
+    Lines l;
+    const char* k = reinterpret_cast<const char*>(kv + h * head_elems + block * block_elems);
+    const char* v = reinterpret_cast<const char*>(kv + (num_kv_heads + h) * head_elems + block * block_elems);
+    l.at[0] = k; l.end[0] = k + block_elems * sizeof(cache_t);
+    l.at[1] = v; l.end[1] = v + block_elems * sizeof(cache_t);
+    return l;
   }
 };
 
@@ -547,14 +588,17 @@ struct QuantBlocks {
     return {w.k.data(), w.v.data()};
   }
 
-  void prefetch_block(int64_t h, int64_t block) const {
-    prefetch(cache + h * head_bytes + block * layout.block_bytes, layout.block_bytes);
+  Lines lines(int64_t h, int64_t block) const {
+    Lines l;
+    const char* b = reinterpret_cast<const char*>(cache + h * head_bytes + block * layout.block_bytes);
+    l.at[0] = b; l.end[0] = b + layout.block_bytes;
+    return l;
   }
 };
 
 template <int N>
 inline void tile_step(Workspace& w, int64_t m0, const KVRows& kv, int64_t ja, int64_t jb, int64_t sink_hi,
-                      const Problem& p, const int64_t* lo, const int64_t* hi) {
+                      const Problem& p, const int64_t* lo, const int64_t* hi, Lines& pf) {
   const int64_t D = p.head_dim, B = p.block_size;
   const float* q[N];
   float* s[N];
@@ -566,17 +610,19 @@ inline void tile_step(Workspace& w, int64_t m0, const KVRows& kv, int64_t ja, in
     acc[t] = w.acc.data() + (m0 + t) * D;
     probs[t] = s[t];
   }
-  dots<N>(q, kv.k, ja, jb, D, s);
+  dots<N>(q, kv.k, ja, jb, D, s, pf);
   float alpha[N];
   for (int t = 0; t < N; ++t)
     alpha[t] = softmax_step(s[t], ja, jb, sink_hi, lo[t], hi[t], w.mx[m0 + t], w.sum[m0 + t]);
-  weighted_sum<N>(acc, alpha, probs, kv.v, ja, jb, D);
+  weighted_sum<N>(acc, alpha, probs, kv.v, ja, jb, D, pf);
 }
 
-// Attends row r, KV head h over the row's visited blocks [v0, v1) into the workspace's (acc, mx, sum).
+// Attends row r, KV head h over the row's visited blocks [v0, v1) into the workspace's (acc, mx, sum);
+// while it attends the last, it asks for KV head then_h's block then_block (the thread's next item's
+// first; -1 for none).
 template <typename scalar_t, typename Source>
 void attend_partition(const Problem& p, const scalar_t* query, const Source& src, const RowSpan& row,
-                      int64_t h, int64_t v0, int64_t v1, Workspace& w) {
+                      int64_t h, int64_t v0, int64_t v1, Workspace& w, int64_t then_h, int64_t then_block) {
   const int64_t D = p.head_dim, B = p.block_size, G = p.group;
   const int64_t M = row.q_len * G;
   // Query m = t * G + g is token t, head h * G + g; scaled once here.
@@ -593,7 +639,12 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
   const int64_t first_pos = row.seq_len - row.q_len;
   int64_t lo[kTile], hi[kTile];
   for (int64_t i = v0; i < v1; ++i) {
-    if (i + 1 < v1) src.prefetch_block(h, p.block_tables[row.block(i + 1)]);
+    Lines pf;
+    if (i + 1 < v1) {
+      pf = src.lines(h, p.block_tables[row.block(i + 1)]);
+    } else if (then_block >= 0) {
+      pf = src.lines(then_h, then_block);
+    }
     const int64_t b = row.block(i), j0 = b * B;
     // Keys [0, sink_hi) of this block are sinks. The keys some query of the row sees are [ja, jb),
     // and tokens [t_first, t_last] see any: token t sees [pos - window + 1, pos] and the sinks up to
@@ -606,8 +657,12 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
     int64_t t_last = row.q_len - 1;
     if (p.window > 0 && sink_hi == 0)
       t_last = std::min<int64_t>(t_last, j0 + jb - 1 + p.window - 1 - first_pos);
-    if (ja >= jb || t_first > t_last) continue;
+    if (ja >= jb || t_first > t_last) {
+      pf.finish();
+      continue;
+    }
     const KVRows kv = src.load(h, p.block_tables[b], ja, jb, w);
+    pf.spread(prefetch_steps(std::min<int64_t>(kTile, (t_last + 1 - t_first) * G), jb - ja, D));  // over the first tile
     const int64_t m_end = (t_last + 1) * G;
     for (int64_t m0 = t_first * G; m0 < m_end; m0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, m_end - m0));
@@ -617,12 +672,13 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
         hi[t] = pos + 1 - j0;
       }
       switch (n) {
-        case 4: tile_step<4>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
-        case 3: tile_step<3>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
-        case 2: tile_step<2>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
-        default: tile_step<1>(w, m0, kv, ja, jb, sink_hi, p, lo, hi); break;
+        case 4: tile_step<4>(w, m0, kv, ja, jb, sink_hi, p, lo, hi, pf); break;
+        case 3: tile_step<3>(w, m0, kv, ja, jb, sink_hi, p, lo, hi, pf); break;
+        case 2: tile_step<2>(w, m0, kv, ja, jb, sink_hi, p, lo, hi, pf); break;
+        default: tile_step<1>(w, m0, kv, ja, jb, sink_hi, p, lo, hi, pf); break;
       }
     }
+    pf.finish();
   }
 }
 
@@ -645,6 +701,22 @@ void parallel_items(int64_t n, const F& fn) {
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
+// As parallel_items, but each thread claims its next item before running the current one, and fn(i,
+// then) learns it (-1 for none): the current item can bring the next one's first data in.
+template <typename F>
+void parallel_items_ahead(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    int64_t i = next++;
+    while (i < n) {
+      int64_t then = next++;
+      fn(i, then < n ? then : -1);
+      i = then;
+    }
   });
 }
 
@@ -685,15 +757,23 @@ void run(const Problem& p, const scalar_t* query, const Source& src, scalar_t* o
   const int64_t part_floats = max_m * (D + 2);
   std::vector<float> partial(split ? num_parts * H_kv * part_floats : 0);
 
-  parallel_items(num_parts * H_kv, [&](int64_t item) {
+  parallel_items_ahead(num_parts * H_kv, [&](int64_t item, int64_t then) {
     thread_local Workspace w;
     const int64_t part = item / H_kv, h = item % H_kv, r = part_row[part];
+    int64_t then_h = -1, then_block = -1;
+    if (then >= 0) {
+      const int64_t tp = then / H_kv, tr = part_row[tp];
+      if (part_first[tp] < rows[tr].visits()) {
+        then_h = then % H_kv;
+        then_block = p.block_tables[tr * p.table_stride + rows[tr].block(part_first[tp])];
+      }
+    }
     const RowSpan& row = rows[r];
     w.reserve(row.q_len * p.group, p, Source::kConverts);
     Problem rp = p;
     rp.block_tables = p.block_tables + r * p.table_stride;
     const int64_t v0 = part_first[part], v1 = std::min(v0 + part_blocks, row.visits());
-    attend_partition(rp, query, src, row, h, v0, v1, w);
+    attend_partition(rp, query, src, row, h, v0, v1, w, then_h, then_block);
     const int64_t M = row.q_len * p.group;
     if (first_part[r + 1] - first_part[r] == 1) {
       write_out(p, out, row, h, w.acc.data(), w.sum.data(), w.out.data());
