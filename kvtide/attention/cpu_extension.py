@@ -11,17 +11,21 @@ what the CPU runs (and honours ATEN_CPU_CAPABILITY, as torch's own kernels do).
 
 Builds go through `torch.utils.cpp_extension.load` against the installed torch (never an isolated
 pip build, whose torch could differ in ABI) into `cache_root()/torch_ext/<torch>-<source>-<isa>-<hash>`, so a
-new torch or a changed source gets a fresh directory; cpp_extension's lock file in that directory
-lets concurrent processes share one build. No compiler, a failed build, or KVTIDE_CPU_KERNELS=0
+new torch or a changed source gets a fresh directory. Concurrent processes share one build: each
+holds an flock on `kvtide.flock` in that directory while it builds or loads, which the kernel
+releases if the process dies. cpp_extension's own `lock` file is not released that way (a build
+killed mid-way leaves it, and every later start would wait on it forever), so one found under the
+flock, where no live kvtide process can own it, is removed. No compiler, a failed build, or KVTIDE_CPU_KERNELS=0
 gives None (with one warning), and the callers fall back to pure torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -100,16 +104,34 @@ def _build(source: Path, library: str, isa: str, what: str) -> str | None:
 
         directory = build_directory(isa, source)
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"{library}_{source.stem}_{isa}", sources=[str(source)],
-            extra_cflags=COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DKVTIDE_OPS_NS={namespace}"],
-            extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-            verbose=False)
+        with _exclusive_build(directory):
+            cpp_extension.load(
+                name=f"{library}_{source.stem}_{isa}", sources=[str(source)],
+                extra_cflags=COMMON_FLAGS + ISA_FLAGS[isa] + [f"-DKVTIDE_OPS_NS={namespace}"],
+                extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                verbose=False)
         return namespace
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, but say why
         _warn_once(f"{what} ({isa}) unavailable, using pure torch: "
                    f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
         return None
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Holds `directory`'s flock (waiting for a live builder), then clears a stale cpp_extension lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: cpp_extension's lock alone
+        yield
+        return
+    with open(directory / "kvtide.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield  # closing the file releases the flock
 
 
 def _warn_once(message: str) -> None:
