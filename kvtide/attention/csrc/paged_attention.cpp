@@ -693,27 +693,17 @@ void write_out(const Problem& p, scalar_t* out, const RowSpan& row, int64_t h, c
   }
 }
 
-// Runs fn(i) for i in [0, n) on the intra-op threads, each taking the next item when it is free
-// (items differ in cost: context lengths vary).
+// Runs fn(i, then) for i in [0, n) on the intra-op threads, each taking the next item when it is free
+// (items differ in cost: context lengths vary). A thread claims its next item before running the
+// current one, and fn learns it as `then` (-1 for none), so the current item can bring the next
+// one's first data in.
 template <typename F>
 void parallel_items(int64_t n, const F& fn) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
-}
-
-// As parallel_items, but each thread claims its next item before running the current one, and fn(i,
-// then) learns it (-1 for none): the current item can bring the next one's first data in.
-template <typename F>
-void parallel_items_ahead(int64_t n, const F& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    int64_t i = next++;
-    while (i < n) {
-      int64_t then = next++;
+    for (int64_t i = next++; i < n;) {
+      const int64_t then = next++;
       fn(i, then < n ? then : -1);
       i = then;
     }
@@ -757,16 +747,14 @@ void run(const Problem& p, const scalar_t* query, const Source& src, scalar_t* o
   const int64_t part_floats = max_m * (D + 2);
   std::vector<float> partial(split ? num_parts * H_kv * part_floats : 0);
 
-  parallel_items_ahead(num_parts * H_kv, [&](int64_t item, int64_t then) {
+  parallel_items(num_parts * H_kv, [&](int64_t item, int64_t then) {
     thread_local Workspace w;
     const int64_t part = item / H_kv, h = item % H_kv, r = part_row[part];
-    int64_t then_h = -1, then_block = -1;
+    int64_t then_h = -1, then_block = -1;  // every partition visits at least its first block
     if (then >= 0) {
       const int64_t tp = then / H_kv, tr = part_row[tp];
-      if (part_first[tp] < rows[tr].visits()) {
-        then_h = then % H_kv;
-        then_block = p.block_tables[tr * p.table_stride + rows[tr].block(part_first[tp])];
-      }
+      then_h = then % H_kv;
+      then_block = p.block_tables[tr * p.table_stride + rows[tr].block(part_first[tp])];
     }
     const RowSpan& row = rows[r];
     w.reserve(row.q_len * p.group, p, Source::kConverts);
@@ -786,7 +774,7 @@ void run(const Problem& p, const scalar_t* query, const Source& src, scalar_t* o
   });
   if (!split) return;
   // Merge each split row's partitions: weights rescaled to the largest max (log-sum-exp).
-  parallel_items(num_rows * H_kv, [&](int64_t item) {
+  parallel_items(num_rows * H_kv, [&](int64_t item, int64_t) {
     const int64_t r = item / H_kv, h = item % H_kv;
     const int64_t first = first_part[r], count = first_part[r + 1] - first;
     if (count == 1) return;
