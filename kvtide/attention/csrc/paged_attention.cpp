@@ -192,33 +192,39 @@ inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does n
 }
 #endif
 
-// The lines of the block a query reads next, asked for a few at a time while it attends this one
-// (Lines::step in the inner loops of dots and weighted_sum). Asked for all at once, as before, they
+// The lines of the block a query reads next, asked for a few at a time while it attends this one:
+// K's in dots' inner loop (step<0>), V's in weighted_sum's (step<1>). Asked for all at once, they
 // filled the core's line-fill buffers, and the FMAs of the block being attended waited behind them:
 // a decode step's attention took as long as reading its K/V plus computing on it, not the larger of
-// the two. Into L2 (prefetcht1): a block is used once, within the next block's time.
+// the two. Into L2 (prefetcht1): a block is used once, within the next block's time. A step asks for
+// the same number of lines all block long (no running fraction): the loop's count is then one the
+// branch predictor knows, and the accounting costs little; a fractional version cost ~40% of the
+// kernel's time on cached K/V.
 struct Lines {
-  const char* at[2] = {nullptr, nullptr};  // K's and V's next line, or one span for a quantized block
+  const char* at[2] = {nullptr, nullptr};  // the next line of K and of V (halves of a quantized block)
   const char* end[2] = {nullptr, nullptr};
-  int64_t rate = 0;    // lines per step, in 1/256ths
-  int64_t credit = 0;  // 1/256ths of a line owed
+  int64_t per[2] = {0, 0};                  // lines per step<i>
 
-  // Spreads the remaining lines evenly over `steps` steps.
-  void spread(int64_t steps) {
-    const int64_t lines = ((end[0] - at[0]) + (end[1] - at[1])) / 64;
-    rate = (256 * lines + steps - 1) / std::max<int64_t>(steps, 1);
+  // step<0> is called k_steps times (in dots), step<1> v_steps times (in weighted_sum).
+  void spread(int64_t k_steps, int64_t v_steps) {
+    const int64_t steps[2] = {k_steps, v_steps};
+    for (int i = 0; i < 2; ++i) {
+      const int64_t lines = (end[i] - at[i]) / 64;
+      per[i] = steps[i] > 0 ? (lines + steps[i] - 1) / steps[i] : 0;
+    }
   }
+  // Branch-free but for a loop count fixed for the whole block: past the end, the last line again.
+  template <int i>
   inline void step() {
-    for (credit += rate; credit >= 256; credit -= 256) {
-      const int i = at[0] < end[0] ? 0 : 1;
-      if (at[i] >= end[i]) return;
+    for (int64_t n = 0; n < per[i]; ++n) {
       __builtin_prefetch(at[i], 0, 2);
-      at[i] += 64;
+      at[i] = std::min(at[i] + 64, end[i] - 64);
     }
   }
   void finish() {  // whatever the steps left
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i) {
       for (; at[i] < end[i]; at[i] += 64) __builtin_prefetch(at[i], 0, 2);
+    }
   }
 };
 
@@ -274,7 +280,7 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kV; ++i) acc[i] = Vec(0.f);
       for (int64_t c = 0; c < dv; c += kV) {
-        pf.step();
+        pf.step<0>();
         const Vec qc = Vec::loadu(q[t] + c);
 #pragma GCC unroll 16
         for (int64_t i = 0; i < kV; ++i) acc[i] = at::vec::fmadd(qc, Vec::loadu(kj + i * D + c), acc[i]);
@@ -320,7 +326,7 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
 #pragma GCC unroll 4
       for (int64_t u = 0; u < kC; ++u) a[t][u] = Vec::loadu(acc[t] + c + u * kV) * Vec(alpha[t]);
     for (int64_t j = ja; j < jb; ++j) {
-      pf.step();
+      pf.step<1>();
       Vec vc[kC];
 #pragma GCC unroll 4
       for (int64_t u = 0; u < kC; ++u) vc[u] = Vec::loadu(v + j * D + c + u * kV);
@@ -357,14 +363,15 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
   }
 }
 
-// How many times dots<n> and weighted_sum<n> call Lines::step over `keys` keys.
-inline int64_t prefetch_steps(int64_t n, int64_t keys, int64_t D) {
-  int64_t steps = keys * (D / (kValueChunks * kV));
+// How many times dots<n> calls Lines::step<0> and weighted_sum<n> Lines::step<1> over `keys` keys.
+inline int64_t key_steps(int64_t n, int64_t keys, int64_t D) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  steps += (keys / kV) * n * (D / kV);
+  return (keys / kV) * n * (D / kV);
+#else
+  return 0;
 #endif
-  return steps;
 }
+inline int64_t value_steps(int64_t keys, int64_t D) { return keys * (D / (kValueChunks * kV)); }
 
 // Scores in [ja, jb) -> weights relative to the query's new running max; returns the rescale factor
 // of what it had accumulated. The query sees keys [lo, hi) and the sinks [0, sink_hi) below hi;
@@ -591,7 +598,9 @@ struct QuantBlocks {
   Lines lines(int64_t h, int64_t block) const {
     Lines l;
     const char* b = reinterpret_cast<const char*>(cache + h * head_bytes + block * layout.block_bytes);
-    l.at[0] = b; l.end[0] = b + layout.block_bytes;
+    const int64_t half = (layout.block_bytes / 2 + 63) / 64 * 64;  // one half while dots runs, one in weighted_sum
+    l.at[0] = b; l.end[0] = b + std::min(half, layout.block_bytes);
+    l.at[1] = l.end[0]; l.end[1] = b + layout.block_bytes;
     return l;
   }
 };
@@ -662,7 +671,8 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
       continue;
     }
     const KVRows kv = src.load(h, p.block_tables[b], ja, jb, w);
-    pf.spread(prefetch_steps(std::min<int64_t>(kTile, (t_last + 1 - t_first) * G), jb - ja, D));  // over the first tile
+    // over the first tile; later tiles ask for the block's last line again
+    pf.spread(key_steps(std::min<int64_t>(kTile, (t_last + 1 - t_first) * G), jb - ja, D), value_steps(jb - ja, D));
     const int64_t m_end = (t_last + 1) * G;
     for (int64_t m0 = t_first * G; m0 < m_end; m0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, m_end - m0));
