@@ -1,9 +1,13 @@
 """What the CPU GEMM choice (cpu_gemm.py) keeps per machine: the verdict cache on disk, how much
 weight a timing streams so that it reads from memory, and the panel kernels' prefetch distance,
-measured once and kept in the same cache file.
+measured once and kept in the same cache file; and, in a file of its own, the MoE experts' choice of
+product orientation (fused_moe.expert_linear), so that every process (a rank, a restart) runs the
+same products without timing them again.
 
     cache_root()/gemm/<cpu>-<isa>-torch<v>-t<threads>-<hash of machine_key>.json
         {"machine": key, "shapes": {shape: {bucket: {candidate: seconds or null}}}, "panel_prefetch": rows}
+    cache_root()/gemm/<cpu>-<isa>-torch<v>-t<threads>-<hash of expert_key>.json
+        {"machine": key, "expert_linear": {"<N>x<K>/<bucket>": whether (w @ x.T).T is faster}}
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 4
 """Bumped when the candidates or the measurement change, so older verdicts are not reused."""
+EXPERT_VERSION = 1
+"""Bumped when fused_moe's orientation measurement changes."""
 MAX_RING = 256
 """At most this many copies of a small weight in a ring streamed from memory."""
 
@@ -46,6 +52,13 @@ def machine_key(candidates: list[str]) -> dict:
     return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
             "torch_threads": info["torch_threads"], "candidates": candidates, "version": CACHE_VERSION,
             "panel_build": build_directory(available_isas()[0], layer_ops.SOURCE).name}
+
+
+def expert_key() -> dict:
+    """What the experts' orientation verdict depends on besides the shape: CPU, ISA, torch, threads."""
+    info = machine_info()
+    return {"cpu_model": info["cpu_model"], "isa": info["isa"], "torch": info["torch"],
+            "torch_threads": info["torch_threads"], "what": "expert_linear", "version": EXPERT_VERSION}
 
 
 def cache_path(key: dict) -> str:
@@ -70,18 +83,31 @@ def load_cache(path: str) -> dict[str, dict]:
 
 
 def save_cache(path: str, key: dict, new: dict[str, dict], panel_prefetch: int | None = None) -> None:
-    """Merge `new` shapes (and the panel prefetch distance) into the file, written whole to a
-    temporary file then renamed over it, so concurrent readers never see half a file (concurrent
-    writers may drop each other's new shapes; those are measured again next time)."""
+    """Merge `new` shapes (and the panel prefetch distance) into the file."""
     content = _load_file(path)
-    shapes = {**content.get("shapes", {}), **new}
     prefetch = panel_prefetch if panel_prefetch is not None else content.get("panel_prefetch")
+    shapes = {**content.get("shapes", {}), **new}
+    _write_file(path, {"machine": key, "shapes": shapes, "panel_prefetch": prefetch})
+
+
+def load_expert_verdicts(path: str) -> dict[str, bool]:
+    return {name: v for name, v in _load_file(path).get("expert_linear", {}).items() if isinstance(v, bool)}
+
+
+def save_expert_verdict(path: str, key: dict, name: str, weight_major_wins: bool) -> None:
+    verdicts = {**load_expert_verdicts(path), name: weight_major_wins}
+    _write_file(path, {"machine": key, "expert_linear": verdicts})
+
+
+def _write_file(path: str, content: dict) -> None:
+    """Written whole to a temporary file then renamed over the old one, so concurrent readers never
+    see half a file (concurrent writers may drop each other's new entries; those are measured again
+    next time)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump({"machine": key, "shapes": shapes, "panel_prefetch": prefetch}, f, indent=1,
-                      sort_keys=True)
+            json.dump(content, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("could not write the GEMM cache %s: %s", path, e)

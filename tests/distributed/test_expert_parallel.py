@@ -209,11 +209,11 @@ def _load(model_dir: str):
     return load_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, max_model_len=64)
 
 
-def _same_product_on_every_rank(stacked: torch.Tensor, rows: int, rounds: int = 5) -> bool:
-    """expert_linear's choice of product by row bucket instead of by timing: a rank's outputs are
-    compared with another process's world-size-1 layer, and a verdict timed in each process may
-    differ under load (their sums then differ in the last bit). Decode buckets take (w @ x.T).T,
-    larger ones F.linear, so both products run."""
+def _same_product_on_every_rank(stacked: torch.Tensor, rows: int) -> bool:
+    """expert_linear's choice of product by row bucket instead of the machine's verdict (timed, or
+    read from the disk cache): a rank's outputs are compared with another process's world-size-1
+    layer, and both products must run. Decode buckets take (w @ x.T).T, larger ones F.linear; nothing
+    is written to the cache."""
     return rows <= 4
 
 
@@ -223,7 +223,7 @@ def _rank_main(rank: int, port: int, results, checkpoints: dict[str, str]) -> No
 
     try:
         torch.set_num_threads(1)
-        fused_moe._weight_major_is_faster = _same_product_on_every_rank
+        fused_moe._weight_major_wins = _same_product_on_every_rank
         refs = {name: _build_layer(name, case) for name, case in LAYER_CASES.items()}  # world size 1
         ref_models = {name: _load(path) for name, path in checkpoints.items()}
         init_distributed(ParallelLayout(tensor_parallel_size=NUM_RANKS, rank=rank, enable_expert_parallel=True),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kvtide.layers.moe.fused_moe as fused_moe_module
 from kvtide.attention import cpu_extension
-from kvtide.layers import layer_ops
+from kvtide.layers import gemm_tuning, layer_ops
 from kvtide.layers.cpu_gemm import shape_key
 from kvtide.layers.moe import FusedMoE, apply_capacity, expert_capacity, fused_experts, select_experts
 from kvtide.layers.moe.fused_moe import fused_experts_on_panels
@@ -117,13 +117,58 @@ def test_expert_linear_is_f_linear_in_either_orientation(monkeypatch, rows, weig
         assert torch.equal(fused_moe_module.expert_linear(x16, w.to(x16.dtype)), F.linear(x16, w.to(x16.dtype)))
 
 
-def test_expert_linear_measures_once_per_shape_and_bucket(monkeypatch):
+def test_expert_linear_measures_once_per_shape_and_bucket(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path))
     monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", {})
+    measured = []
+    is_faster = fused_moe_module._weight_major_is_faster
+
+    def counting(stacked, rows):
+        measured.append((tuple(stacked.shape[1:]), rows))
+        return is_faster(stacked, rows, rounds=1)
+
+    monkeypatch.setattr(fused_moe_module, "_weight_major_is_faster", counting)
     w = torch.randn(4, 40, 96)
     for rows in (1, 3, 4, 3, 9, 16):
         fused_moe_module.expert_linear(torch.randn(rows, 96), w[0], w)
     threads = torch.get_num_threads()
     assert set(fused_moe_module._WEIGHT_MAJOR_WINS) == {(40, 96, b, threads) for b in (1, 4, 16)}
+    assert measured == [((40, 96), 1), ((40, 96), 4), ((40, 96), 16)]
+
+
+def test_expert_linear_verdicts_are_kept_on_disk_per_machine(monkeypatch, tmp_path):
+    """A new process (here: the in-memory verdicts dropped) reads the disk's instead of timing again,
+    so ranks and restarts run the same products; another machine times its own."""
+    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", {})
+    verdicts = {1: True, 16: False}
+    measured = []
+
+    def fake(stacked, rows):
+        measured.append(rows)
+        return verdicts[rows]
+
+    monkeypatch.setattr(fused_moe_module, "_weight_major_is_faster", fake)
+    w = torch.randn(4, 40, 96)
+    for rows in (1, 16):
+        fused_moe_module.expert_linear(torch.randn(rows, 96), w[0], w)
+    assert measured == [1, 16]
+    files = list((tmp_path / "gemm").glob("*.json"))
+    assert len(files) == 1
+
+    monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", {})
+    monkeypatch.setattr(fused_moe_module, "_weight_major_is_faster", lambda *a: pytest.fail("timed again"))
+    for rows in (1, 16):
+        fused_moe_module.expert_linear(torch.randn(rows, 96), w[0], w)
+    threads = torch.get_num_threads()
+    assert fused_moe_module._WEIGHT_MAJOR_WINS == {(40, 96, 1, threads): True, (40, 96, 16, threads): False}
+
+    monkeypatch.setattr(fused_moe_module, "_WEIGHT_MAJOR_WINS", {})
+    monkeypatch.setattr(fused_moe_module, "_weight_major_is_faster", fake)
+    real_info = gemm_tuning.machine_info
+    monkeypatch.setattr(gemm_tuning, "machine_info", lambda: {**real_info(), "cpu_model": "Another CPU"})
+    fused_moe_module.expert_linear(torch.randn(1, 96), w[0], w)
+    assert measured == [1, 16, 1] and len(list((tmp_path / "gemm").glob("*.json"))) == 2
 
 
 def test_id_equal_to_num_experts_is_skipped():

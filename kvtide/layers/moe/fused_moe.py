@@ -23,7 +23,8 @@ orientation: on a Zen 4 EPYC (2 threads), MKL's x @ w.T took 0.5-1.0 ms for a (2
 1-4 rows (its sgemv and small-M paths) and (w @ x.T).T 0.2-0.25 ms; above that either won by up to
 ~30% depending on the row count, and odd row counts ran up to 2x slower unless padded. So on
 float32 CPU tensors `expert_linear` measures both once per weight shape, row bucket and thread
-count (the first forwards pay for it, ~10-50 ms per shape) and keeps the faster; elsewhere it is
+count (the first forwards on a machine pay for it, ~10-50 ms per shape; the verdict is kept on disk,
+gemm_tuning.py, so ranks and restarts run the same products) and keeps the faster; elsewhere it is
 F.linear. Either way the products are float32 sgemm's, equal up to summation order. Under
 --cpu-weight-prepack, the experts' weights are linears like any other to cpu_gemm.prepack_weights
 (FusedMoE.gemm_views): a packed kernel measured faster there (oneDNN's brgemm ran the 16-row
@@ -42,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvtide.layers import layer_ops
+from kvtide.layers import gemm_tuning, layer_ops
 from kvtide.layers.cpu_gemm import GemmPlan
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -137,8 +138,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, stacked: torch.Tensor | None
     key = (w.shape[0], w.shape[1], bucket, torch.get_num_threads())
     wins = _WEIGHT_MAJOR_WINS.get(key)
     if wins is None:
-        wins = _WEIGHT_MAJOR_WINS[key] = _weight_major_is_faster(stacked if stacked is not None else w[None],
-                                                                   bucket)
+        wins = _WEIGHT_MAJOR_WINS[key] = _weight_major_wins(w[None] if stacked is None else stacked, bucket)
     return weight_major_linear(x, w) if wins else F.linear(x, w)
 
 
@@ -152,6 +152,19 @@ def weight_major_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x_padded[:rows] = x
         x = x_padded
     return torch.mm(w, x.contiguous().t()).t()[:rows]
+
+
+def _weight_major_wins(stacked: torch.Tensor, rows: int) -> bool:
+    """This machine's verdict for the shape of `stacked` (E, N, K) at `rows` rows: read from the disk
+    cache, else measured and kept there."""
+    key = gemm_tuning.expert_key()
+    path = gemm_tuning.cache_path(key)
+    name = f"{stacked.shape[1]}x{stacked.shape[2]}/{rows}"
+    wins = gemm_tuning.load_expert_verdicts(path).get(name)
+    if wins is None:
+        wins = _weight_major_is_faster(stacked, rows)
+        gemm_tuning.save_expert_verdict(path, key, name, wins)
+    return wins
 
 
 def _weight_major_is_faster(stacked: torch.Tensor, rows: int, rounds: int = 5) -> bool:
