@@ -14,8 +14,8 @@
 // afterwards. A block that is not float32 is converted (dequantized) into the thread's float
 // workspace when it is read, then attended by the same code that reads float32 blocks in place.
 //
-// write_kv copies this step's K/V into a float cache; write_kv_quant quantizes this step's K/V into the quantized layout, byte for byte as formats.py's
-// reference codec does.
+// write_kv copies this step's K/V into a float cache; write_kv_quant quantizes this step's K/V into
+// the quantized layout, byte for byte as formats.py's reference codec does.
 //
 // The same source is compiled once per ISA (cpu_extension.py): CPU_CAPABILITY selects at::vec's
 // implementation and KVTIDE_OPS_NS names both the C++ namespace and the op library, so builds for
@@ -182,6 +182,7 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 inline float hsum(const Vec& v) { return v.reduce_add(); }
+inline float hmax(const Vec& v) { return v.reduce_max(); }
 #else
 inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does not compile
   float lanes[kV];
@@ -190,16 +191,24 @@ inline float hsum(const Vec& v) {  // the generic Vectorized's reduce_add does n
   for (int64_t i = 0; i < kV; ++i) s += lanes[i];
   return s;
 }
+inline float hmax(const Vec& v) {
+  float lanes[kV];
+  v.store(lanes);
+  float m = lanes[0];
+  for (int64_t i = 1; i < kV; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
 #endif
 
 // The lines of the block a query reads next, asked for a few at a time while it attends this one:
-// K's in dots' inner loop (step<0>), V's in weighted_sum's (step<1>). Asked for all at once, they
-// filled the core's line-fill buffers, and the FMAs of the block being attended waited behind them:
-// a decode step's attention took as long as reading its K/V plus computing on it, not the larger of
-// the two. Into L2 (prefetcht1): a block is used once, within the next block's time. A step asks for
-// the same number of lines all block long (no running fraction): the loop's count is then one the
-// branch predictor knows, and the accounting costs little; a fractional version cost ~40% of the
-// kernel's time on cached K/V.
+// K's in dots, per vector of keys and query (step<0>), V's in weighted_sum, per key (step<1>).
+// Asked for all at once, they filled the core's line-fill buffers, and the FMAs of the block being
+// attended waited behind them: a decode step's attention took as long as reading its K/V plus
+// computing on it, not the larger of the two. Into L2 (prefetcht1): a block is used once, within the
+// next block's time. A step asks for the same number of lines all block long (no running fraction):
+// the loop's count is then one the branch predictor knows, and the accounting costs little (a
+// fractional version cost ~40% of the kernel's time on cached K/V). dots and weighted_sum step a
+// local copy, kept in registers.
 struct Lines {
   const char* at[2] = {nullptr, nullptr};  // the next line of K and of V (halves of a quantized block)
   const char* end[2] = {nullptr, nullptr};
@@ -269,7 +278,8 @@ inline Vec transpose_sum(const Vec* v) {
 // AVX2/AVX-512, kV keys at a time: one accumulator per key, reduced together by transpose_sum.
 template <int N>
 inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, int64_t D,
-                 float* const* scores, Lines& pf) {
+                 float* const* scores, Lines& lines) {
+  Lines pf = lines;  // in registers, not stored back at every step
   int64_t j = ja;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const int64_t dv = D - D % kV;
@@ -279,8 +289,8 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
       Vec acc[kV];
 #pragma GCC unroll 16
       for (int64_t i = 0; i < kV; ++i) acc[i] = Vec(0.f);
+      pf.step<0>();
       for (int64_t c = 0; c < dv; c += kV) {
-        pf.step<0>();
         const Vec qc = Vec::loadu(q[t] + c);
 #pragma GCC unroll 16
         for (int64_t i = 0; i < kV; ++i) acc[i] = at::vec::fmadd(qc, Vec::loadu(kj + i * D + c), acc[i]);
@@ -307,6 +317,7 @@ inline void dots(const float* const* q, const float* k, int64_t ja, int64_t jb, 
       scores[t][j] = s;
     }
   }
+  lines = pf;
 }
 
 // acc_t = acc_t * alpha_t + sum_j p_t[j] v_j for N queries over keys [ja, jb). kC chunks of D a pass
@@ -316,7 +327,8 @@ constexpr int64_t kValueChunks = kV >= 16 ? 4 : 2;  // N * kC accumulators and k
 
 template <int N>
 inline void weighted_sum(float* const* acc, const float* alpha, const float* const* p, const float* v,
-                         int64_t ja, int64_t jb, int64_t D, Lines& pf) {
+                         int64_t ja, int64_t jb, int64_t D, Lines& lines) {
+  Lines pf = lines;  // in registers, not stored back at every step
   constexpr int64_t kC = kValueChunks;
   int64_t c = 0;
   for (; c + kC * kV <= D; c += kC * kV) {
@@ -361,12 +373,13 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
       acc[t][c] = a;
     }
   }
+  lines = pf;
 }
 
 // How many times dots<n> calls Lines::step<0> and weighted_sum<n> Lines::step<1> over `keys` keys.
 inline int64_t key_steps(int64_t n, int64_t keys, int64_t D) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return (keys / kV) * n * (D / kV);
+  return (keys / kV) * n;
 #else
   return 0;
 #endif
@@ -380,15 +393,22 @@ inline float softmax_step(float* s, int64_t ja, int64_t jb, int64_t sink_hi, int
                           float& mx, float& sum) {
   for (int64_t j = std::max(ja, sink_hi); j < std::min(lo, jb); ++j) s[j] = kNegInf;
   for (int64_t j = std::max(hi, ja); j < jb; ++j) s[j] = kNegInf;
-  float block_max = kNegInf;
-  for (int64_t j = ja; j < jb; ++j) block_max = std::max(block_max, s[j]);
+  float block_max = kNegInf;  // a max is exact: the vector's order gives the scalar loop's result
+  int64_t k = ja;
+  if (jb - ja >= kV) {
+    Vec m = Vec::loadu(s + k);
+    for (k += kV; k + kV <= jb; k += kV) m = at::vec::maximum(m, Vec::loadu(s + k));
+    block_max = hmax(m);
+  }
+  for (; k < jb; ++k) block_max = std::max(block_max, s[k]);
   if (block_max == kNegInf) {  // nothing visible here: keep the state, add nothing
     for (int64_t j = ja; j < jb; ++j) s[j] = 0.f;
     return 1.f;
   }
   const float new_max = std::max(mx, block_max);
   const float shift = mx - new_max;  // -inf for the first visible block
-  const float alpha = shift < -kCutoff ? 0.f : std::exp(shift);
+  // the max often stays where it was: exp(0) is 1 without the call
+  const float alpha = shift == 0.f ? 1.f : shift < -kCutoff ? 0.f : std::exp(shift);
   const Vec vmax(new_max), vcut(-kCutoff), vzero(0.f);
   Vec vsum(0.f);
   int64_t j = ja;
