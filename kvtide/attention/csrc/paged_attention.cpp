@@ -377,7 +377,7 @@ inline void weighted_sum(float* const* acc, const float* alpha, const float* con
 }
 
 // How many times dots<n> calls Lines::step<0> and weighted_sum<n> Lines::step<1> over `keys` keys.
-inline int64_t key_steps(int64_t n, int64_t keys, int64_t D) {
+inline int64_t key_steps(int64_t n, int64_t keys) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   return (keys / kV) * n;
 #else
@@ -692,7 +692,7 @@ void attend_partition(const Problem& p, const scalar_t* query, const Source& src
     }
     const KVRows kv = src.load(h, p.block_tables[b], ja, jb, w);
     // over the first tile; later tiles ask for the block's last line again
-    pf.spread(key_steps(std::min<int64_t>(kTile, (t_last + 1 - t_first) * G), jb - ja, D), value_steps(jb - ja, D));
+    pf.spread(key_steps(std::min<int64_t>(kTile, (t_last + 1 - t_first) * G), jb - ja), value_steps(jb - ja, D));
     const int64_t m_end = (t_last + 1) * G;
     for (int64_t m0 = t_first * G; m0 < m_end; m0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, m_end - m0));
