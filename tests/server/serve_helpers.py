@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +22,15 @@ MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BODY = 64 * 1024
 STARTUP_TIMEOUT_S = 240.0
+
+
+@functools.cache
+def log_dir() -> str:
+    """One folder for this test process's server logs, removed when it exits: tests read a log
+    after its server stops, so no single test can delete it."""
+    path = tempfile.mkdtemp(prefix="kvtide-serve-logs-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def free_port() -> int:
@@ -91,7 +103,7 @@ def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY, en
     """Start a server process without waiting (start several, then wait_ready each: they load in
     parallel). `env` adds variables (e.g. KVTIDE_FAULT_INJECT, which is otherwise never inherited)."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="kvtide-serve-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w", prefix="kvtide-serve-", suffix=".log", dir=log_dir(), delete=False)
     args = [sys.executable, "-m", "kvtide.cli", "serve", model, "--port", str(port),
             "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
             "--max-request-body", str(MAX_REQUEST_BODY), *extra_args]

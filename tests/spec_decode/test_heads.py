@@ -44,13 +44,16 @@ def write_checkpoint(path, config: dict, tensors: dict[str, torch.Tensor], fmt: 
 
 @pytest.fixture(scope="module")
 def target(checkpoint_factory):
-    """(model dir, hf config, kvtide LlamaForCausalLM) of a tiny 8-layer Llama."""
+    """(model dir, hf config, kvtide LlamaForCausalLM) of a tiny 8-layer Llama, on one intra-op
+    thread while this module runs."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = checkpoint_factory("LlamaForCausalLM", seed=0, hidden_size=HIDDEN, intermediate_size=INTER,
                               num_hidden_layers=TARGET_LAYERS, num_attention_heads=HEADS,
                               num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_LEN)
     config = AutoConfig.from_pretrained(path)
-    return path, config, load_model(path, config, torch.float32, MAX_LEN, "cpu")
+    yield path, config, load_model(path, config, torch.float32, MAX_LEN, "cpu")
+    torch.set_num_threads(threads)
 
 
 # ---- Medusa -------------------------------------------------------------------------------------------
