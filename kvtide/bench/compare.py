@@ -498,7 +498,10 @@ def main_compare(args) -> int:
     if "serve" in workloads:
         run_serve_workload(args, entries, model_dir, spec, log_dir, summary)
     _summarize(summary)
-    summary["machine"] = machine_record()  # GEMM choices from the disk cache the kvtide worker filled
+    summary["machine"] = machine_record()  # GEMM choices: the disk cache's, every shape this machine measured
+    base_gemm = summary["engines"].get(summary["base"], {}).pop("gemm", None)
+    if base_gemm is not None:  # the base worker's own model's shapes, as it chose them
+        summary["machine"]["gemm"] = base_gemm
     print(format_table(summary))
     if args.output_json:
         with open(args.output_json, "w") as f:

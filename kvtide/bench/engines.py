@@ -82,7 +82,14 @@ class KvtideAdapter(Adapter):
         return self.llm.engine.core.get_stats().expert_load
 
     def ready_info(self) -> dict:
-        return {"weight_bytes": self.llm.engine.core.executor.runner.weight_bytes}
+        """Weight bytes, and on CPU the GEMM kernel chosen for each of this model's linear shapes."""
+        runner = self.llm.engine.core.executor.runner
+        info = {"weight_bytes": runner.weight_bytes}
+        if runner.device.type == "cpu":
+            from kvtide.layers.cpu_gemm import gemm_choices
+
+            info["gemm"] = gemm_choices()
+        return info
 
     @property
     def num_speculative_tokens(self) -> int | None:

@@ -185,6 +185,15 @@ def test_compare_runs_float_and_quantized_kvtide_side_by_side(bpe_dir, ggufs, tm
     for label in labels:
         assert f"{label}: " in text and "MiB" in text.split(f"\n{label}: ", 1)[1].split("\n", 1)[0]
     assert "kvtide:int8: greedy tokens identical to kvtide's" in text
+    # The GEMM lines name this model's linears (q/k/v and gate/up fused, as loaded), not every shape
+    # the machine's disk cache holds from other models.
+    with open(os.path.join(bpe_dir, "config.json")) as f:
+        c = json.load(f)
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    assert set(summary["machine"]["gemm"]) == {f"{q + 2 * kv}x{h}", f"{h}x{q}", f"{2 * i}x{h}", f"{h}x{i}",
+                                               f"{c['vocab_size']}x{h}"}
+    assert "gemm" not in summary["engines"]["kvtide"]
 
 
 @needs_llamacpp
