@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from kvtide.models.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+LIBRARY, WHAT = "kvtide", "compiled CPU attention"
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
@@ -47,7 +49,10 @@ COMMON_FLAGS = ["-O3", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-
 torch's libgomp, loaded first under the same soname). Hidden visibility: the builds share inline
 functions (at::vec, c10) compiled for different ISAs, which must not interpose one another."""
 
-_loaded: dict[tuple[str, str], Callable | None] = {}
+_loaded: dict[tuple[str, str], str | None] = {}
+"""(source, isa) -> the op namespace of its build, or None (no build)."""
+_building: dict[tuple[str, str], threading.Thread] = {}
+"""Builds prebuild started; load_cpu_op joins one before it looks in _loaded."""
 _warned: set[str] = set()
 
 
@@ -69,7 +74,12 @@ def load_paged_attention(isa: str | None = None) -> Callable | None:
 def load_attention_op(op: str, isa: str | None = None) -> Callable | None:
     """One op of csrc/paged_attention.cpp's library: paged_attention, paged_attention_quant or
     write_kv_quant (all from the same build), as load_paged_attention."""
-    return load_cpu_op(SOURCE, "kvtide", op, "compiled CPU attention", isa)
+    return load_cpu_op(SOURCE, LIBRARY, op, WHAT, isa)
+
+
+def prebuild_attention() -> None:
+    """The attention library's build for this CPU, started on a thread (prebuild)."""
+    prebuild(SOURCE, LIBRARY, WHAT)
 
 
 def load_cpu_op(source: Path, library: str, op: str, what: str, isa: str | None = None) -> Callable | None:
@@ -83,10 +93,32 @@ def load_cpu_op(source: Path, library: str, op: str, what: str, isa: str | None 
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}; got {isa!r}")
     key = (str(source), isa)
+    started = _building.get(key)
+    if started is not None:
+        started.join()
     if key not in _loaded:
         _loaded[key] = _build(source, library, isa, what)
     namespace = _loaded[key]
     return None if namespace is None else getattr(getattr(torch.ops, namespace), op)
+
+
+def prebuild(source: Path, library: str, what: str, isa: str | None = None) -> None:
+    """Start `source`'s build for `isa` (as load_cpu_op would make it) on a thread, and return.
+    On a cold cache each build is a compiler process of 6-15 s: started together before the model
+    loads, they run side by side and under the weights' loading instead of one after another at
+    first use. The first load_cpu_op of that build waits for it; on a warm cache it only loads."""
+    if os.environ.get("KVTIDE_CPU_KERNELS", "1") == "0":
+        return
+    isa = isa or available_isas()[0]
+    key = (str(source), isa)
+    if key in _loaded or key in _building:
+        return
+
+    def build() -> None:
+        _loaded[key] = _build(source, library, isa, what)
+
+    thread = _building[key] = threading.Thread(target=build, name=f"kvtide-build-{source.stem}", daemon=True)
+    thread.start()
 
 
 def build_directory(isa: str, source: Path = SOURCE) -> Path:

@@ -49,7 +49,9 @@ class FusedDecodeLayers:
         """Each layer's weights and shapes, in decode_layer's argument order."""
         self._op = layer_ops.layer_op("decode_layer")
         self._attention_ns = _namespace(load_paged_attention())
-        quantized = cpu_kernels._op("quantized_linear")
+        # the quantized library only where a linear runs on it (a float model never builds it)
+        quantized = (cpu_kernels._op("quantized_linear")
+                     if any(linear.quantized is not None for layer in layers for linear in _linears(layer)) else None)
         self._quantized_ns = _namespace(quantized) if quantized is not None else ""
 
     def step_caches(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor] | None:

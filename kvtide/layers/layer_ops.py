@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from kvtide.attention.cpu_extension import load_cpu_op
+from kvtide.attention.cpu_extension import prebuild as prebuild_cpu_op
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
+LIBRARY, WHAT = "kvtide_layers", "compiled CPU layer ops"
 PANEL = 16
 """Output columns per weight panel of linear_panels (kPanel in layer_ops.cpp)."""
 
@@ -28,8 +30,13 @@ def layer_op(name: str, isa: str | None = None) -> Callable | None:
     """`torch.ops.kvtide_layers_<isa>.<name>`, built on first use; None where it cannot be."""
     key = (name, isa)
     if key not in _resolved:
-        _resolved[key] = load_cpu_op(SOURCE, "kvtide_layers", name, "compiled CPU layer ops", isa)
+        _resolved[key] = load_cpu_op(SOURCE, LIBRARY, name, WHAT, isa)
     return _resolved[key]
+
+
+def prebuild() -> None:
+    """This library's build for this CPU, started on a thread (cpu_extension.prebuild)."""
+    prebuild_cpu_op(SOURCE, LIBRARY, WHAT)
 
 
 def available() -> bool:

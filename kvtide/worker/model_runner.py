@@ -67,12 +67,28 @@ class StepInputs:
     drafts its last known token and every draft (one position per token it may emit)."""
 
 
+def _prebuild_cpu_kernels(attention: bool, quantized: bool) -> None:
+    """The compiled CPU libraries this runner will load, built side by side while the model loads
+    (on a cold cache; on a warm one they only load)."""
+    from kvtide.attention import cpu_extension
+    from kvtide.layers import layer_ops
+    from kvtide.layers.quantization import cpu_kernels
+
+    layer_ops.prebuild()
+    if attention:
+        cpu_extension.prebuild_attention()
+    if quantized:
+        cpu_kernels.prebuild()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         mc = config.model_config
         self.device = torch.device(config.device_config.device)
         self.block_size = config.cache_config.block_size
+        if self.device.type == "cpu":
+            _prebuild_cpu_kernels(config.device_config.attention_backend == "cpu", mc.quant_config is not None)
         self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device),
                                 mc.quant_config)
         self.vocab_size = mc.hf_config.vocab_size

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtide.attention.cpu_extension import load_cpu_op
+from kvtide.attention.cpu_extension import prebuild as prebuild_cpu_op
 from kvtide.layers.quantization.qweight import (
     ACTIVATION_BLOCK,
     QuantizedWeight,
@@ -25,6 +26,7 @@ from kvtide.layers.quantization.qweight import (
 )
 
 SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
+LIBRARY, WHAT = "kvtide_quant", "compiled quantized linears"
 KIND_CODES = {"int8": 0, "int4": 1, "fp8": 2}
 INT4_INT8_ACTIVATIONS = 3
 """The kernel's kind for int4 codes times activations quantized to int8 (QuantizedWeight.int8_activations)."""
@@ -39,8 +41,13 @@ _resolved: dict[str, Callable | None] = {}
 def _op(name: str) -> Callable | None:
     """The compiled op `name` (None without one), resolved once: every decode linear calls it."""
     if name not in _resolved:
-        _resolved[name] = load_cpu_op(SOURCE, "kvtide_quant", name, "compiled quantized linears")
+        _resolved[name] = load_cpu_op(SOURCE, LIBRARY, name, WHAT)
     return _resolved[name]
+
+
+def prebuild() -> None:
+    """This library's build for this CPU, started on a thread (cpu_extension.prebuild)."""
+    prebuild_cpu_op(SOURCE, LIBRARY, WHAT)
 
 
 def kernels_available() -> bool:
