@@ -18,6 +18,7 @@ from kvtide.engine.core import EngineCore
 from kvtide.engine_args import CPU_DEFAULT_KV_CACHE_MEMORY, EngineArgs
 from kvtide.kv_cache.hybrid import blocks_held
 from kvtide.kv_cache.manager import max_blocks_held
+from kvtide.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from kvtide.worker.executor import UniprocExecutor
@@ -35,17 +36,6 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | None = None):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
-    except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load a tokenizer from {path} ({reason}); pass --tokenizer DIR, a directory "
-                         f"with tokenizer.json or tokenizer_config.json") from e
 
 
 def eos_token_ids(model_dir: str, hf_config, load_tokenizer_fn) -> list[int]:

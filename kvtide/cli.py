@@ -13,7 +13,8 @@ import sys
 
 from kvtide.engine_args import EngineArgs
 
-_SUBCOMMAND_MODULES = ("kvtide.chat.cli", "kvtide.server.cli", "kvtide.bench.cli", "kvtide.router.cli")
+_SUBCOMMAND_MODULES = {"chat": "kvtide.chat.cli", "serve": "kvtide.server.cli", "bench": "kvtide.bench.cli",
+                       "router": "kvtide.router.cli"}
 
 
 def register_generate(subparsers) -> None:
@@ -86,11 +87,14 @@ def run_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser, or only `command`'s when it names one: `kvtide serve` then imports
+    neither the benchmarks nor torch before it starts its engine core."""
     parser = argparse.ArgumentParser(prog="kvtide", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     register_generate(subparsers)
-    for name in _SUBCOMMAND_MODULES:
+    modules = [_SUBCOMMAND_MODULES[command]] if command in _SUBCOMMAND_MODULES else _SUBCOMMAND_MODULES.values()
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -102,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

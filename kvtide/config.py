@@ -7,7 +7,6 @@ defaults live in one place.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,25 +19,6 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-               "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_size(value: int | str) -> int:
-    """'2GiB' / '512MiB' / '1e9' / 123 -> bytes."""
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else ""
-        if not match or unit not in _SIZE_UNITS:
-            raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use bytes or e.g. '2GiB', '512MiB'")
-        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
-    return size
-
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
     """'auto' means float32 on CPU (bf16 matmuls are slow without AMX) and the checkpoint's dtype on GPU."""

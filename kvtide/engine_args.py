@@ -10,23 +10,12 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from kvtide.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    StructuredOutputsConfig,
-    parse_size,
-    resolve_dtype,
-)
-from kvtide.distributed import experts_span_replicas
-from kvtide.distributed.config_checks import resolve_parallel_config
-from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
-from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
-from kvtide.layers.quantization import resolve_quantization
-from kvtide.spec_decode.resolve import resolve_speculative_config
+from kvtide.sizes import parse_size
+
+if TYPE_CHECKING:
+    from kvtide.config import EngineConfig
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -211,8 +200,23 @@ class EngineArgs:
     def create_engine_config(self, model_dir: str) -> EngineConfig:
         from transformers import AutoConfig
 
+        from kvtide.config import (
+            CacheConfig,
+            DeviceConfig,
+            EngineConfig,
+            ModelConfig,
+            SchedulerConfig,
+            StructuredOutputsConfig,
+            resolve_dtype,
+        )
+        from kvtide.distributed import experts_span_replicas
+        from kvtide.distributed.config_checks import resolve_parallel_config
+        from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
+        from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
+        from kvtide.layers.quantization import resolve_quantization
         from kvtide.models.registry import resolve_architecture
         from kvtide.models.traits import check_model_options
+        from kvtide.spec_decode.resolve import resolve_speculative_config
 
         try:
             hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
@@ -317,7 +321,7 @@ class EngineArgs:
         """--kv-transfer-config / --kv-offload-memory, checked against the rest of the engine."""
         from kvtide.disagg.config import parse_kv_transfer_config
 
-        offload = parse_size(self.kv_offload_memory) if self.kv_offload_memory is not None else None
+        offload = parse_size(self.kv_offload_memory, "kv_offload_memory") if self.kv_offload_memory is not None else None
         config = parse_kv_transfer_config(self.kv_transfer_config, offload)
         if config is None:
             return None

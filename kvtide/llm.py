@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvtide.bootstrap import build_engine_core, load_tokenizer
+from kvtide.bootstrap import build_engine_core
 from kvtide.engine.dp_client import check_data_parallel_args
 from kvtide.engine.dp_llm_engine import DataParallelLLMEngine
 from kvtide.engine.input_processor import PromptType
@@ -16,6 +16,7 @@ from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
 from kvtide.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvtide.sampling_params import BeamSearchParams, SamplingParams
+from kvtide.tokenizer import load_tokenizer
 
 
 class LLM:

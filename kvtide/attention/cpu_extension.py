@@ -122,9 +122,12 @@ def prebuild(source: Path, library: str, what: str, isa: str | None = None) -> N
 
 
 def build_directory(isa: str, source: Path = SOURCE) -> Path:
-    """Where `isa`'s build of `source` lives: one directory per torch version, ISA and source + flags."""
+    """Where `isa`'s build of `source` lives: one directory per torch version, ISA, source + flags and
+    checkout (ninja rebuilds when a compile command's source path changes, so two checkouts sharing a
+    directory would rebuild each other's library at every switch)."""
     digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join(ISA_FLAGS[isa] + COMMON_FLAGS).encode())
+    digest.update(str(source.resolve()).encode())
     return Path(cache_root()) / "torch_ext" / f"{torch.__version__}-{source.stem}-{isa}-{digest.hexdigest()[:12]}"
 
 

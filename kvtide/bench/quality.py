@@ -150,7 +150,7 @@ FULL_KV = dict(kv_cache_dtype="auto", calculate_kv_scales=False, kv_window_token
 
 def _tokenize(args: EngineArgs, model_dir: str, text: str, max_tokens: int) -> tuple[list[int], int | None]:
     """(text token ids without special tokens, cut to max_tokens; the BOS id if the tokenizer adds one)."""
-    from kvtide.bootstrap import load_tokenizer
+    from kvtide.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or model_dir, args.trust_remote_code)
     ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids[:max_tokens]

@@ -111,7 +111,7 @@ class AsyncLLM:
     async def from_engine_args(cls, engine_args: Any, stat_logger: StatLogger | None = None,
                                startup_timeout_s: float = 600.0,
                                engine_timeout_s: float | None = None) -> AsyncLLM:
-        from kvtide.bootstrap import load_tokenizer
+        from kvtide.tokenizer import load_tokenizer
 
         def tokenizer_from_args():
             path = engine_args.tokenizer or engine_args.resolve_model_dir()

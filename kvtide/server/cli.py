@@ -41,6 +41,7 @@ from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
 from kvtide.server.output_parsers import check_flags
 from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
+from kvtide.sizes import parse_size
 from kvtide.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -102,7 +103,6 @@ def register(subparsers) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvtide.config import parse_size
     from kvtide.server.api_server import run_server
     from kvtide.server.state import ServerSettings
 
@@ -114,10 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args).replace(model=model)
     if args.headless:
         return _run_headless(engine_args, args.log_level)
-    try:
-        max_body = parse_size(args.max_request_body)
-    except ValueError as e:
-        raise ValueError(f"--max-request-body: cannot parse {args.max_request_body!r}") from e
+    max_body = parse_size(args.max_request_body, "--max-request-body")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     if args.engine_timeout < 0:

@@ -1,5 +1,5 @@
-"""Memory placement for CPU inference: large activations on reused heap pages, the KV pool on
-huge pages.
+"""Memory placement for CPU inference: large activations on reused heap pages, the KV pool moved
+onto huge pages once the engine runs.
 
 glibc serves allocations above its mmap threshold (dynamic, at most 32 MiB) with fresh mmap()ed
 pages and unmaps them on free, so every prefill step's large activations (e.g. 8k tokens x 4096
@@ -11,9 +11,9 @@ the right trade for a long-running engine.
 
 The KV pool is read in 4 KiB runs (one block of one KV head) scattered over the whole pool, so
 with 4 KiB pages nearly every block read also misses the TLB and starts a page walk.
-On 2 MiB transparent huge pages (madvise(MADV_HUGEPAGE) before the pool is first touched, and
-MADV_COLLAPSE for pages the heap had already faulted in) the decode attention call took 12-13%
-less time (scripts/bench_cpu_attention.py, 64 rows x 128-384 tokens, a Xeon with AVX-512).
+On 2 MiB transparent huge pages (madvise(MADV_HUGEPAGE) and MADV_COLLAPSE, after the first step,
+on a thread of their own) the decode attention call took 12-13% less time
+(scripts/bench_cpu_attention.py, 64 rows x 128-384 tokens, a Xeon with AVX-512).
 KVTIDE_HUGE_PAGES=0 keeps 4 KiB pages.
 """
 
@@ -24,7 +24,10 @@ import ctypes.util
 import functools
 import logging
 import os
+import queue
 import sys
+import threading
+import weakref
 
 import torch
 
@@ -91,13 +94,45 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
     return last - first
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.zeros, on huge pages where advise_huge_pages can have them: advised before the zeroing
-    first touches the memory (those faults map huge pages directly), collapsed after it (the pages
-    the heap had already faulted in)."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    advised = advise_huge_pages(tensor, collapse=False)
-    tensor.zero_()
-    if advised:
-        advise_huge_pages(tensor)
-    return tensor
+def collapse_in_background(tensors: list[torch.Tensor]) -> None:
+    """Move the tensors onto huge pages from a background thread (advise_huge_pages, with
+    MADV_COLLAPSE); a tensor freed before its turn is skipped. On a KVM guest, fresh huge pages for a
+    1 GiB pool took 0.85-3.96 s to fault in (asked for before zeroing it) against 0.25 s to zero it
+    on the heap's 4 KiB pages, and the collapse 1.6-2.1 s: the engine starts on 4 KiB pages and
+    hands its pool here after its first step. The kernel collapses a live range safely (khugepaged
+    does the same to running processes); the engine keeps serving meanwhile."""
+    if os.environ.get("KVTIDE_HUGE_PAGES", "1") == "0":
+        return
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            _collapse_queue().put(weakref.ref(tensor))
+
+
+def wait_for_huge_pages() -> None:
+    """Return once every tensor collapse_in_background was given has been advised and collapsed."""
+    _collapse_queue().join()
+
+
+@functools.cache
+def _collapse_queue() -> queue.Queue:
+    """The queue one daemon thread drains: madvise() releases the GIL, so it runs beside the engine."""
+    tensors: queue.Queue = queue.Queue()
+
+    def drain() -> None:
+        while True:
+            tensor = tensors.get()()
+            try:
+                if tensor is not None:
+                    advise_huge_pages(tensor)
+            except Exception as e:  # advice only: the tensor works the same on 4 KiB pages
+                logger.debug("huge pages not advised: %s", e)
+            finally:
+                del tensor  # the pool may be freed before the next one arrives
+                tensors.task_done()
+
+    threading.Thread(target=drain, name="kvtide-huge-pages", daemon=True).start()
+    return tensors
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_collapse_queue.cache_clear)  # a forked child starts its own thread

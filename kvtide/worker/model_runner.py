@@ -31,7 +31,7 @@ from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from kvtide.testing.faults import FAULTS  # test-only fault injection, None unless KVTIDE_FAULT_INJECT is set
-from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap, zeros_on_huge_pages
+from kvtide.worker.cpu_allocator import collapse_in_background, keep_large_allocations_on_heap
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model, to_device
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class ModelRunner:
         self._uids = itertools.count(1)
         self.kv_caches: list[torch.Tensor] = []
         """Caches in the attention backend's layout."""
+        self._kv_to_collapse: list[torch.Tensor] = []
+        """The KV pool on CPU, handed to cpu_allocator.collapse_in_background after the first step."""
         self.kv_groups = config.cache_config.kv_cache_groups
         """Layer groups with block tables of their own (kv_cache/hybrid.py), or None."""
         self.num_kv_groups = 1
@@ -147,9 +149,9 @@ class ModelRunner:
     def _calibrate_quantization(self, model_dir: str) -> None:
         """Run the float model over the calibration text with its quantization's observers, then
         quantize (w8a8's SmoothQuant factors); the calibration's KV cache is freed after."""
-        from kvtide.bootstrap import load_tokenizer
         from kvtide.layers.quantization import finish_quantization
         from kvtide.layers.quantization.w8a8 import CALIBRATION_TOKENS, calibrate
+        from kvtide.tokenizer import load_tokenizer
 
         mc = self.config.model_config
         tokenizer = load_tokenizer(mc.tokenizer or model_dir, mc.trust_remote_code)
@@ -198,6 +200,8 @@ class ModelRunner:
             self.kv_caches = self._bind_grouped_kv_caches(layers, num_blocks)
         else:
             self.kv_caches = self._bind_kv_caches(layers, num_blocks)
+        if self.device.type == "cpu":  # onto huge pages after the first step: start-up does not wait
+            self._kv_to_collapse = list({id(a.kv_cache): a.kv_cache for a in layers}.values())
         self.cuda_graphs = maybe_capture_decode_graphs(self.model, self.config, self.device)
         if self.spec is not None:
             self.spec.capture_graphs(self.config)
@@ -212,7 +216,7 @@ class ModelRunner:
         self._own_layout_caches = []
         for attn in layers:
             shape = layer_cache_shape(attn, self.attention_backend, num_blocks, self.block_size)
-            attn.kv_cache = zeros_on_huge_pages(shape, self.kv_tensor_dtype, self.device)
+            attn.kv_cache = torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
             attn.backend = self.attention_backend
             if has_own_cache_layout(attn):
                 self._own_layout_caches.append((attn, attn.kv_cache))
@@ -231,7 +235,7 @@ class ModelRunner:
         assert len(shapes) == 1 and not any(has_own_cache_layout(a) for a in layers), \
             "layer groups need one cache shape in every layer"
         shape = shapes.pop()
-        slots = [zeros_on_huge_pages(shape, self.kv_tensor_dtype, self.device)
+        slots = [torch.zeros(shape, dtype=self.kv_tensor_dtype, device=self.device)
                  for _ in range(num_slots(slots_of))]
         for i, attn in enumerate(layers):
             g, j = slots_of[start + i]
@@ -258,6 +262,13 @@ class ModelRunner:
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute(so)
+        if self._kv_to_collapse and not so.is_empty:
+            collapse_in_background(self._kv_to_collapse)
+            self._kv_to_collapse = []
+        return output
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         connector = self.kv_connector
         if connector is not None:  # before copy-on-write: an evicted block may be a copy's target

@@ -52,7 +52,7 @@ def model_dir(checkpoint_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    from kvtide.bootstrap import load_tokenizer
+    from kvtide.tokenizer import load_tokenizer
 
     prompt_ids = load_tokenizer(model_dir)(PROMPT).input_ids
     policy = PlainScorePolicy()
@@ -96,7 +96,7 @@ def test_dropping_changes_what_full_attention_would_say(model_dir, reference):
 def test_dropping_on_quantized_blocks_with_forks_and_preemption_leaks_nothing(model_dir):
     """int8 blocks, n=2 samples sharing the prompt, and a pool small enough to preempt: every
     request finishes with its tokens, within budget, and the pool gets every block back."""
-    from kvtide.bootstrap import load_tokenizer
+    from kvtide.tokenizer import load_tokenizer
 
     probe = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="4MiB",
                 kv_cache_dtype="int8", attention_backend="torch", enable_prefix_caching=False)

@@ -101,7 +101,7 @@ def test_perplexity_with_score_dropping_at_half_the_kv():
     """The text (BOS + 511 tokens) prefilled 32 tokens a step; with --kv-drop-budget 0.5 each step
     attends at most half its context's blocks (the sink block, the recent quarter, and the heaviest
     hitters), so by the end about 256 of 512 positions are dropped."""
-    from kvtide.bootstrap import load_tokenizer
+    from kvtide.tokenizer import load_tokenizer
 
     with open(TEXT, encoding="utf-8") as f:
         tokenizer = load_tokenizer(EngineArgs(model="smollm2").resolve_model_dir())

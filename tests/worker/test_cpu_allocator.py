@@ -1,5 +1,5 @@
 """keep_large_allocations_on_heap: large activations come from glibc's heap, not fresh mmaps;
-zeros_on_huge_pages: the KV pool on transparent huge pages."""
+collapse_in_background: the KV pool moved onto transparent huge pages by a background thread."""
 
 from __future__ import annotations
 
@@ -37,12 +37,17 @@ def test_large_activations_are_served_from_the_heap():
 
 _HUGE_PROBE = """
 import torch
-from kvtide.worker.cpu_allocator import keep_large_allocations_on_heap, zeros_on_huge_pages
-assert keep_large_allocations_on_heap()  # as the engine does: the pool can reuse heap pages
+from kvtide.worker.cpu_allocator import collapse_in_background, keep_large_allocations_on_heap, wait_for_huge_pages
+assert keep_large_allocations_on_heap()  # as the engine does: the pool reuses heap pages
 junk = torch.ones(96 << 20 >> 2)  # pages the heap has faulted in, kept after the free
 del junk
-x = zeros_on_huge_pages((64 << 20 >> 2,), torch.float32, "cpu")
-assert x.shape == (64 << 20 >> 2,) and not x.any()
+x = torch.zeros(64 << 20 >> 2)
+freed = torch.zeros(8 << 20 >> 2)
+collapse_in_background([x, freed])
+del freed  # a pool freed before its turn is skipped
+x[::1024] = 3.0  # written while the background thread collapses the range: nothing is lost
+wait_for_huge_pages()
+assert (x[::1024] == 3.0).all() and int((x != 0).sum()) == x.numel() // 1024
 lo, hi, huge, inside = x.data_ptr(), x.data_ptr() + x.numel() * 4, 0, False
 for line in open("/proc/self/smaps"):
     head = line.split()[0]
