@@ -3,15 +3,19 @@
 transformers takes one to two seconds to build a large tokenizer (it deep-copies every vocabulary
 entry and added token into `init_kwargs`, and some classes rebuild the backend from vocab and merges
 in Python): a third of a warm start. The built object, pickled under
-`cache_root()/tokenizers/<digest>.pkl`, loads in about 0.1 s. The digest covers every top-level file
-of the directory but the weights (so an edited tokenizer_config.json or chat template is a new entry)
-and the transformers, tokenizers and Python versions. Only local directories without remote code are
-cached; the newest `MAX_ENTRIES` entries are kept.
+`cache_root()/tokenizers/<digest>.pkl`, loads in about 0.1 s. The digest covers the directory's path
+and every top-level file in it but the weights (so an edited tokenizer_config.json or chat template
+is a new entry), and the transformers, tokenizers and Python versions. Only local directories
+without remote code are cached; the newest `MAX_ENTRIES` entries are kept. Entries are read back by
+an unpickler that resolves tokenizer classes and nothing else, so a planted entry cannot name a
+function to call (the directory is otherwise as trusted as the compiled kernels kvtide loads from it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -37,22 +41,23 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, revision: str | N
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
 
     try:
-        return load_cached_tokenizer(path, build, trust_remote_code)
+        return _load_cached(path, build, trust_remote_code)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load a tokenizer from {path} ({reason}); pass --tokenizer DIR, a directory "
                          f"with tokenizer.json or tokenizer_config.json") from e
 
 
-def load_cached_tokenizer(path: str, build: Callable[[], Any], trust_remote_code: bool = False) -> Any:
+def _load_cached(path: str, build: Callable[[], Any], trust_remote_code: bool) -> Any:
     """The tokenizer `build()` makes for directory `path`, from the cache when an entry exists."""
     entry = _entry_path(path) if not trust_remote_code and os.path.isdir(path) else None
     if entry is None:
         return build()
     try:
         with open(entry, "rb") as f:
-            tokenizer = pickle.load(f)
-        os.utime(entry)  # the newest entries are the ones kept
+            tokenizer = _TokenizerUnpickler(f).load()
+        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+            os.utime(entry)  # the newest entries are the ones kept
         return tokenizer
     except FileNotFoundError:
         pass
@@ -68,7 +73,9 @@ def _entry_path(path: str) -> str:
     import transformers
 
     digest = hashlib.blake2b(digest_size=16)
-    for part in (_FORMAT, transformers.__version__, tokenizers.__version__, sys.version.split()[0]):
+    # The path too: the object remembers it (name_or_path), so a copied directory is an entry of its own.
+    for part in (_FORMAT, transformers.__version__, tokenizers.__version__, sys.version.split()[0],
+                 os.path.realpath(path)):
         digest.update(part.encode() + b"\0")
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
@@ -86,9 +93,11 @@ def _store(entry: str, tokenizer: Any) -> None:
     directory = os.path.dirname(entry)
     tmp = f"{entry}.tmp{os.getpid()}"
     try:
+        data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        _TokenizerUnpickler(io.BytesIO(data)).load()  # what the reader would refuse is not written
         os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(data)
         os.replace(tmp, entry)
     except Exception as e:
         logger.debug("tokenizer not cached (%s)", e)
@@ -98,6 +107,30 @@ def _store(entry: str, tokenizer: Any) -> None:
     entries.sort(key=_mtime, reverse=True)
     for old in entries[MAX_ENTRIES:]:
         _remove(old)
+
+
+class _TokenizerUnpickler(pickle.Unpickler):
+    """Resolves only what a built tokenizer holds: transformers' tokenizer classes, tokenizers' types
+    and plain containers. An entry naming anything else (a function, another module) is refused
+    before that module is even imported, so a planted file cannot run code through this reader."""
+
+    _CONTAINERS = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+                   ("builtins", "complex"), ("builtins", "bytearray"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._CONTAINERS:
+            return super().find_class(module, name)
+        if module == "tokenizers" or module.startswith(("tokenizers.", "transformers.")):
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (module.startswith("tokenizers") or _is_tokenizer_class(found)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tokenizer")
+
+
+def _is_tokenizer_class(cls: type) -> bool:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return issubclass(cls, PreTrainedTokenizerBase)
 
 
 def _mtime(file: str) -> float:

@@ -99,6 +99,31 @@ def test_an_unreadable_entry_is_built_again_and_replaced(cache, copy_of, caplog)
     assert _entries(cache) == [entry]  # no temporary file left behind
 
 
+class _Planted:
+    """An entry that, unpickled by a plain pickle.load, would write a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_entry_runs_nothing_and_is_replaced(cache, copy_of, tmp_path, caplog):
+    import pickle
+
+    directory = copy_of()
+    reference = load_tokenizer(directory)
+    (entry,) = _entries(cache)
+    marker = tmp_path / "ran"
+    (cache / entry).write_bytes(pickle.dumps(_Planted(str(marker))))
+    with caplog.at_level("WARNING", logger="kvtide.tokenizer"):
+        loaded = load_tokenizer(directory)
+    assert not marker.exists()
+    assert "is not part of a tokenizer" in caplog.text
+    _assert_same(loaded, reference)
+
+
 def test_the_cache_keeps_only_the_newest_entries(cache, copy_of, monkeypatch):
     monkeypatch.setattr(tokenizer_module, "MAX_ENTRIES", 2)
     directories = [copy_of(f"tok{i}") for i in range(3)]

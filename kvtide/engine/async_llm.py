@@ -31,6 +31,7 @@ from kvtide.engine.core_client import (
     EngineGenerateError,
     EngineQueueFullError,
     OutputsMessage,
+    SpawnedEngineCore,
 )
 from kvtide.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
@@ -110,7 +111,10 @@ class AsyncLLM:
     @classmethod
     async def from_engine_args(cls, engine_args: Any, stat_logger: StatLogger | None = None,
                                startup_timeout_s: float = 600.0,
-                               engine_timeout_s: float | None = None) -> AsyncLLM:
+                               engine_timeout_s: float | None = None,
+                               spawned: SpawnedEngineCore | None = None) -> AsyncLLM:
+        """Start the engine core (or, with `spawned`, wait for the one already started) and load
+        the tokenizer meanwhile."""
         from kvtide.tokenizer import load_tokenizer
 
         def tokenizer_from_args():
@@ -126,7 +130,8 @@ class AsyncLLM:
 
                 client = await DPEngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
             else:
-                client = await EngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s)
+                client = await EngineCoreClient.start(engine_args, startup_timeout_s, engine_timeout_s,
+                                                      spawned=spawned)
         except BaseException:
             await asyncio.gather(tokenizer_task, return_exceptions=True)
             raise

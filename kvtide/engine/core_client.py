@@ -93,6 +93,54 @@ class AddErrorMessage:
     message: str
 
 
+@dataclass
+class SpawnedEngineCore:
+    """An engine-core process started before its client's sockets exist: `kvtide serve` starts it
+    before importing its web stack, so the two processes' imports run side by side. The process's
+    connects wait for EngineCoreClient.start to bind the sockets."""
+
+    proc: subprocess.Popen
+    ipc_paths: tuple[str, str]
+    """(input, output) socket paths."""
+
+    def kill(self) -> None:
+        """Stop the process when its client will never be made (a later start-up step failed)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for path in self.ipc_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _new_ipc_paths() -> tuple[str, str]:
+    base = os.path.join(tempfile.gettempdir(), f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return f"{base}-input.sock", f"{base}-output.sock"
+
+
+def spawn_engine_core(engine_args: Any, *, dp_rank: int | None = None, cpu_threads: int | None = None,
+                      cpu_affinity: Sequence[int] | None = None, env: dict[str, str] | None = None,
+                      expert_group: tuple[str, int] | None = None,
+                      ipc_paths: tuple[str, str] | None = None) -> SpawnedEngineCore:
+    """Start `python -m kvtide.engine.core_proc` for `engine_args`; EngineCoreClient.start binds the
+    sockets it connects to (see there for the other arguments)."""
+    input_path, output_path = ipc_paths or _new_ipc_paths()
+    args_json = json.dumps({k: v for k, v in asdict(engine_args).items()})
+    command = [sys.executable, "-m", "kvtide.engine.core_proc", "--input", f"ipc://{input_path}",
+               "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
+               "--engine-args", args_json]
+    if dp_rank is not None:
+        command += ["--dp-rank", str(dp_rank)]
+    if cpu_threads is not None:
+        command += ["--cpu-threads", str(cpu_threads)]
+    if cpu_affinity:
+        command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
+    if expert_group is not None:
+        command += ["--expert-group", expert_group[0], "--data-parallel-size", str(expert_group[1])]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
+    return SpawnedEngineCore(proc, (input_path, output_path))
+
+
 class EngineCoreClient:
     def __init__(self, proc: subprocess.Popen, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
                  output_socket: zmq.asyncio.Socket, ipc_paths: list[str],
@@ -122,38 +170,35 @@ class EngineCoreClient:
                     engine_timeout_s: float | None = None, *, dp_rank: int | None = None,
                     cpu_threads: int | None = None, cpu_affinity: Sequence[int] | None = None,
                     env: dict[str, str] | None = None,
-                    expert_group: tuple[str, int] | None = None) -> EngineCoreClient:
-        """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready.
+                    expert_group: tuple[str, int] | None = None,
+                    spawned: SpawnedEngineCore | None = None) -> EngineCoreClient:
+        """Spawn the engine-core process for `engine_args` (an EngineArgs) and wait until ready;
+        or, given `spawned` (spawn_engine_core, called earlier), only bind its sockets and wait.
         A data-parallel replica also gets its rank (for its log lines), its CPU share (cores and
         torch threads), extra environment (CUDA_VISIBLE_DEVICES) and, when the replicas share their
         experts, that group's (init method, size)."""
         context = zmq.asyncio.Context()
-        tag = f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        base = os.path.join(tempfile.gettempdir(), tag)
-        input_path, output_path = f"{base}-input.sock", f"{base}-output.sock"
-        input_socket = context.socket(zmq.PUSH)
-        input_socket.setsockopt(zmq.LINGER, 0)
-        # No high-water marks: a send must never fail or block (the engine bounds its own queue).
-        input_socket.setsockopt(zmq.SNDHWM, 0)
-        input_socket.bind(f"ipc://{input_path}")
-        output_socket = context.socket(zmq.PULL)
-        output_socket.setsockopt(zmq.LINGER, 0)
-        output_socket.setsockopt(zmq.RCVHWM, 0)
-        output_socket.bind(f"ipc://{output_path}")
-        args_json = json.dumps({k: v for k, v in asdict(engine_args).items()})
-        command = [sys.executable, "-m", "kvtide.engine.core_proc", "--input", f"ipc://{input_path}",
-                   "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
-                   "--engine-args", args_json]
-        if dp_rank is not None:
-            command += ["--dp-rank", str(dp_rank)]
-        if cpu_threads is not None:
-            command += ["--cpu-threads", str(cpu_threads)]
-        if cpu_affinity:
-            command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
-        if expert_group is not None:
-            command += ["--expert-group", expert_group[0], "--data-parallel-size", str(expert_group[1])]
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
-        client = cls(proc, context, input_socket, output_socket, [input_path, output_path], engine_timeout_s)
+        paths = spawned.ipc_paths if spawned is not None else _new_ipc_paths()
+        try:
+            input_socket = context.socket(zmq.PUSH)
+            input_socket.setsockopt(zmq.LINGER, 0)
+            # No high-water marks: a send must never fail or block (the engine bounds its own queue).
+            input_socket.setsockopt(zmq.SNDHWM, 0)
+            input_socket.bind(f"ipc://{paths[0]}")
+            output_socket = context.socket(zmq.PULL)
+            output_socket.setsockopt(zmq.LINGER, 0)
+            output_socket.setsockopt(zmq.RCVHWM, 0)
+            output_socket.bind(f"ipc://{paths[1]}")
+            if spawned is None:
+                spawned = spawn_engine_core(engine_args, dp_rank=dp_rank, cpu_threads=cpu_threads,
+                                            cpu_affinity=cpu_affinity, env=env, expert_group=expert_group,
+                                            ipc_paths=paths)
+        except BaseException:
+            context.destroy(linger=0)
+            if spawned is not None:
+                spawned.kill()
+            raise
+        client = cls(spawned.proc, context, input_socket, output_socket, list(paths), engine_timeout_s)
         await client.wait_ready(startup_timeout_s)
         return client
 

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvtide
 from kvtide.engine.async_llm import AsyncLLM
-from kvtide.engine.core_client import EngineDeadError
+from kvtide.engine.core_client import EngineDeadError, SpawnedEngineCore
 from kvtide.engine.dp_client import merge_stats
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
@@ -208,10 +208,10 @@ class _Lifecycle:
 
 
 async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int,
-                log_level: str = "info") -> int:
+                log_level: str = "info", spawned: SpawnedEngineCore | None = None) -> int:
     metrics = ServerMetrics(settings.served_model_names[0])
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics,
-                                             engine_timeout_s=settings.engine_timeout or None)
+                                             engine_timeout_s=settings.engine_timeout or None, spawned=spawned)
     try:
         parsers = OutputParsers.create(engine.tokenizer, settings.tool_call_parser,
                                        settings.enable_auto_tool_choice, settings.reasoning_parser)
@@ -237,5 +237,6 @@ async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int
         engine.shutdown()
 
 
-def run_server(engine_args: Any, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> int:
-    return asyncio.run(serve(engine_args, settings, host, port, log_level))
+def run_server(engine_args: Any, settings: ServerSettings, host: str, port: int, log_level: str = "info",
+               spawned: SpawnedEngineCore | None = None) -> int:
+    return asyncio.run(serve(engine_args, settings, host, port, log_level, spawned))

@@ -34,13 +34,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvtide.engine.chat_template import read_chat_template
-from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
+from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S, spawn_engine_core
 from kvtide.engine.dp_client import check_data_parallel_args
 from kvtide.engine_args import EngineArgs
 from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
+from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
 from kvtide.server.output_parsers import check_flags
-from kvtide.server.state import DEFAULT_MAX_REQUEST_BODY
 from kvtide.sizes import parse_size
 from kvtide.tool_parsers import TOOL_PARSERS
 
@@ -103,9 +103,6 @@ def register(subparsers) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvtide.server.api_server import run_server
-    from kvtide.server.state import ServerSettings
-
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
@@ -123,20 +120,32 @@ def run_serve(args: argparse.Namespace) -> int:
     check_data_parallel_args(engine_args)
     _check_port_free(args.host, args.port)
     api_key = args.api_key or os.environ.get("KVTIDE_API_KEY") or None
-    settings = ServerSettings(served_model_names=args.served_model_name or [model], api_key=api_key,
-                              api_keys=_load_api_keys(args.api_keys_file, api_key),
-                              chat_template=read_chat_template(args.chat_template),
-                              max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
-                              engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
-                              enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    api_keys = _load_api_keys(args.api_keys_file, api_key)
+    chat_template = read_chat_template(args.chat_template)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
+    # Every flag is checked: the engine core starts now, and imports torch and loads the model while
+    # this process imports its web stack and the tokenizer.
+    spawned = spawn_engine_core(engine_args) if engine_args.data_parallel_size == 1 else None
+    try:
+        from kvtide.server.api_server import run_server
+        from kvtide.server.state import ServerSettings
+
+        settings = ServerSettings(served_model_names=args.served_model_name or [model], api_key=api_key,
+                                  api_keys=api_keys, chat_template=chat_template,
+                                  max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
+                                  engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
+                                  enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    except BaseException:
+        if spawned is not None:
+            spawned.kill()
+        raise
     if settings.enable_admin_api and settings.api_key is None:
         logging.getLogger("kvtide.server").warning(
             "--enable-admin-api without --api-key: anyone who reaches this port can reset the prefix cache")
-    os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
-    exit_code = run_server(engine_args, settings, args.host, args.port, args.log_level)
+    exit_code = run_server(engine_args, settings, args.host, args.port, args.log_level, spawned)
     # Everything is stopped and flushed; the interpreter's teardown of torch and transformers
     # modules would only add seconds to every restart.
     logging.shutdown()

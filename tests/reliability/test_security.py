@@ -149,13 +149,19 @@ def test_limits_are_in_serve_help():
 
 # ---- no pickle -----------------------------------------------------------------------------------
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
+ON_DISK_PICKLE = "tokenizer.py"
+"""The one exception: built tokenizers kept in the user's own cache, read back by an unpickler that
+resolves tokenizer classes only (test_tokenizer_cache.py plants an entry that tries more)."""
 
 
 def test_no_pickle_on_any_channel():
-    """Beyond tests/test_import_rules.py's grep: no module that unpickles is imported at all, no
-    pyobj socket calls, and every torch.load says weights_only=True."""
+    """Beyond tests/test_import_rules.py's grep: no module that unpickles is imported at all (but
+    the tokenizer cache), no pyobj socket calls, and every torch.load says weights_only=True."""
     offenders = []
     for path in PKG.rglob("*.py"):
+        if str(path.relative_to(PKG)) == ON_DISK_PICKLE:
+            assert "pickle.load(" not in path.read_text() and "pickle.loads(" not in path.read_text()
+            continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = []
