@@ -239,8 +239,10 @@ class SamplingParams:
             raise bad("cache_salt", "a non-empty string", self.cache_salt)
         if not isinstance(self.speculation, bool):
             raise bad("speculation", "a bool", self.speculation)
-        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
-            raise bad("kv_transfer_params", "an object", self.kv_transfer_params)
+        if self.kv_transfer_params is not None and not _is_wire_object(self.kv_transfer_params):
+            # it travels to the engine core as msgpack, which holds integers of at most 64 bits
+            raise bad("kv_transfer_params", "an object of JSON values (integers of at most 64 bits)",
+                      self.kv_transfer_params)
         self._verify_beam_search(bad)
 
     def _verify_beam_search(self, bad) -> None:
@@ -313,6 +315,18 @@ class BeamSearchParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_wire_object(value: object) -> bool:
+    import msgspec
+
+    if not isinstance(value, dict):
+        return False
+    try:
+        msgspec.msgpack.encode(value)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def _normalize_logit_bias(logit_bias: object) -> dict[int, float]:

@@ -69,6 +69,9 @@ BAD = [
     (dict(logit_bias={1.5: 1.0}), "logit_bias", "[-100, 100]"),
     (dict(logit_bias=[1, 2]), "logit_bias", "[-100, 100]"),
     (dict(cache_salt=""), "cache_salt", "non-empty"),
+    (dict(kv_transfer_params=[1]), "kv_transfer_params", "an object"),
+    (dict(kv_transfer_params={"block": 2**70}), "kv_transfer_params", "at most 64 bits"),
+    (dict(kv_transfer_params={"x": object()}), "kv_transfer_params", "JSON values"),
 ]
 
 
@@ -88,7 +91,7 @@ def test_bad_value_names_parameter_and_range(kwargs, name, allowed):
     dict(repetition_penalty=1e-3), dict(logprobs=0), dict(logprobs=20), dict(prompt_logprobs=0),
     dict(min_tokens=4, max_tokens=4), dict(n=3, best_of=5, seed=0), dict(stop="x"),
     dict(stop=("a", "b")), dict(stop_token_ids=(1, 2)), dict(logit_bias={"7": -100, 3: 100}),
-    dict(cache_salt="tenant"),
+    dict(cache_salt="tenant"), dict(kv_transfer_params={"do_remote_decode": True, "ids": [2**63 - 1]}),
 ])
 def test_good_values_accepted(kwargs):
     SamplingParams(**kwargs)

@@ -78,6 +78,8 @@ JSON_CASES = [
     ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
     ("chat response_format", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
     ("chat bad template", CHAT, chat(chat_template="{% for %}"), 400, "messages", None),
+    ("chat kv_transfer_params beyond 64 bits", CHAT, chat(kv_transfer_params={"x": 2**70}), 400,
+     None, None),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt", None),
     ("detokenize strings", "/detokenize", {"tokens": ["a"]}, 400, "tokens", None),
 ]
