@@ -262,13 +262,6 @@ class ModelRunner:
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        output = self._execute(so)
-        if self._kv_to_collapse and not so.is_empty:
-            collapse_in_background(self._kv_to_collapse)
-            self._kv_to_collapse = []
-        return output
-
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         connector = self.kv_connector
         if connector is not None:  # before copy-on-write: an evicted block may be a copy's target
@@ -290,6 +283,9 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
         hidden = self._forward(inputs)
+        if self._kv_to_collapse:  # the first forward pass is done: start-up never waits for this
+            collapse_in_background(self._kv_to_collapse)
+            self._kv_to_collapse = []
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
         if connector is not None:
             output.kv_connector_output = connector.save_kv(so.kv_connector_metadata)
