@@ -141,7 +141,5 @@ def _mtime(file: str) -> float:
 
 
 def _remove(file: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(file)
-    except OSError:
-        pass

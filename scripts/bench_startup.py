@@ -27,7 +27,7 @@ import time
 import urllib.request
 
 from kvtide.bench.common import resolve_model
-from kvtide.machine import describe_machine
+from kvtide.machine import describe_machine, machine_info
 
 _OFFLINE_CHILD = """
 import os, sys
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--modes", default="offline,served", help="comma-separated: offline, served")
     parser.add_argument("--cold", action="store_true", help="an empty $KVTIDE_CACHE for every run")
+    parser.add_argument("--output-json", default=None, help="also write the machine and every time here")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     runners = {"offline": offline_run, "served": served_run}
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_dir}, {'cold' if args.cold else 'warm'} cache")
     if not args.cold:
         offline_run(model_dir, dict(os.environ))  # fills the caches
+    record = {"machine": machine_info(), "model": model_dir, "cold": args.cold, "seconds": {}}
     for mode in modes:
-        times = []
+        times = record["seconds"][mode] = []
         for _ in range(args.runs):
             env = dict(os.environ)
             scratch = tempfile.mkdtemp(prefix="kvtide-cold-") if args.cold else None
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(scratch, ignore_errors=True)
         print(f"{mode:8s} process start to first token: median {statistics.median(times):.2f} s, "
               f"min {min(times):.2f}, max {max(times):.2f} ({' '.join(f'{t:.2f}' for t in times)})")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 

@@ -27,6 +27,7 @@ the memory available at load time (one kind per layer, if two do not fit).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -351,38 +352,67 @@ def _passing(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, names: li
 # ---- choosing ------------------------------------------------------------------------------------
 FUSION_BUCKETS = ("1", "2-8", "9-64")
 """Decode row counts at which a model that runs each decoder layer as one call (layers/fused_decode.py,
-on weight panels) prefers the panel kernel when it is within FUSION_MARGIN of the fastest."""
-FUSION_MARGIN = 0.15
-"""Fusing a layer saves ~35-40 us of per-op time a linear at 1-8 rows (SmolLM2, 120 linears a step:
-4.5 ms of a 28 ms step on a Xeon with AVX-512, where F.linear matched or beat panels by up to 8% on
-two of its four shapes), where a linear takes 50-300 us. At 64 rows it saved ~150 us a linear (the
-bench model's step on the same Xeon: 92 -> 84 ms with AVX-512, 118-122 -> 110-115 ms with AVX2
-code paths), against 0.35-1.7 ms a linear: 15% of its time there is still about what fusing saves."""
+on weight panels) may move its linears onto the panel kernel: every linear of every layer must run
+panels at a row count for any layer to fuse there."""
+FUSION_SAVING_S = {"1": 40e-6, "2-8": 40e-6, "9-64": 150e-6}
+"""Per linear, what fusing its decoder layer saves at these rows: ~35-40 us of per-op time at 1-8
+rows (SmolLM2, 120 linears a step: 4.5 ms of a 28 ms step on a Xeon with AVX-512; ~150 us a layer on
+a Zen 4 core), ~150 us at 64 rows (the bench model's step: 92 -> 84 ms with AVX-512, 118-122 -> 110-115
+ms with AVX2 code paths)."""
+
+
+def fusion_buckets(choices: dict[str, dict[str, str]], verdicts: dict[str, dict[str, dict[str, float | None]]],
+                   counts: dict[str, int]) -> list[str]:
+    """The FUSION_BUCKETS at which the fusable linears (`counts`: shape key -> how many) should all run
+    panels: panels pass the numerics on every one of those shapes, and the time they add over
+    `choices`, summed over the linears, is less than fusing saves (FUSION_SAVING_S each).
+
+    Decided over the whole model, not shape by shape: fusing needs every shape on panels, and one
+    shape's verdict alone swings by a quarter between measurements (SmolLM2's down projection at one
+    row: panels 137-172 us against F.linear's 127-131 us in four runs on one Xeon), which decided
+    fusion for the whole model (a 24 -> 29 ms step when it lost)."""
+    chosen = []
+    for bucket in FUSION_BUCKETS:
+        extra, linears = 0.0, 0
+        for skey, count in counts.items():
+            times = verdicts[skey][bucket]
+            panels, current = times.get(PANELS), times.get(choices[skey][bucket])
+            if panels is None or current is None:
+                break
+            extra += count * max(0.0, panels - current)
+            linears += count
+        else:
+            if linears and extra <= linears * FUSION_SAVING_S[bucket]:
+                chosen.append(bucket)
+    return chosen
 
 
 def choose(verdicts: dict[str, dict[str, float | None]], mode: str, max_kinds: int = MAX_PACKED_KINDS,
-           prefer_panels: bool = False) -> dict[str, str]:
+           panels_at: Iterable[str] = ()) -> dict[str, str]:
     """Bucket -> candidate, from measure_shape's verdicts, with at most `max_kinds` packed kinds
     per shape.
 
     'auto': the fastest passing candidate, another than F.linear only if it is MARGIN faster.
     'on': the fastest passing packed candidate wherever one passes, whatever the speed.
-    `prefer_panels` (a model whose decoder layers can run fused): at FUSION_BUCKETS, panels where they
-    pass and are within FUSION_MARGIN of that choice."""
-    choices = _choose_each(verdicts, mode, allowed=None, prefer_panels=prefer_panels)
+    `panels_at` (fusion_buckets, for a fusable decoder layer's linears): panels there where they pass,
+    and kept when the packed kinds are trimmed."""
+    panels_at = set(panels_at)
+    choices = _choose_each(verdicts, mode, allowed=None, panels_at=panels_at)
     kinds = {c for c in choices.values() if c != F_LINEAR}
     if len(kinds) > max_kinds:  # keep the kinds that save the most time over the buckets they won
         def saving(kind: str) -> float:
             return sum((verdicts[b][F_LINEAR] or 0.0) - (verdicts[b][kind] or 0.0)
                        for b, c in choices.items() if c == kind)
-        ranked = sorted(sorted(kinds), key=lambda k: (sum(c == k for c in choices.values()) if mode == "on" else 0,
+        pinned = PANELS in kinds and any(choices[b] == PANELS for b in panels_at)
+        ranked = sorted(sorted(kinds), key=lambda k: (pinned and k == PANELS,
+                                                      sum(c == k for c in choices.values()) if mode == "on" else 0,
                                                       saving(k)), reverse=True)
-        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:max_kinds]}, prefer_panels=prefer_panels)
+        choices = _choose_each(verdicts, mode, allowed={F_LINEAR, *ranked[:max_kinds]}, panels_at=panels_at)
     return choices
 
 
 def _choose_each(verdicts: dict[str, dict[str, float | None]], mode: str, allowed: set[str] | None,
-                 prefer_panels: bool = False) -> dict[str, str]:
+                 panels_at: set[str] = frozenset()) -> dict[str, str]:
     choices = {}
     for bucket in (b.name for b in BUCKETS):
         times = verdicts[bucket]
@@ -395,7 +425,7 @@ def _choose_each(verdicts: dict[str, dict[str, float | None]], mode: str, allowe
             f_time = times.get(F_LINEAR)
             if best != F_LINEAR and f_time is not None and ok[best] > f_time * (1 - MARGIN):
                 best = F_LINEAR
-        if prefer_panels and bucket in FUSION_BUCKETS and PANELS in ok and ok[PANELS] <= ok[best] * (1 + FUSION_MARGIN):
+        if bucket in panels_at and PANELS in ok:
             best = PANELS
         choices[bucket] = best
     return choices
@@ -418,8 +448,8 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
                     use_cache: bool = True, prefer_panels: Iterable[nn.Module] = ()) -> int:
     """Give each CPU float32 layer with a `gemm_plan` attribute (linears, LM head) the GemmPlan of
     its shape, with the packed copy it needs. Returns the number of layers given a plan.
-    `available_bytes` (default: MemAvailable) bounds 'auto'; the shapes of the `prefer_panels`
-    layers (fusable decoder layers' linears) prefer panels at decode rows (see choose)."""
+    `available_bytes` (default: MemAvailable) bounds 'auto'; the `prefer_panels` layers (fusable
+    decoder layers' linears) run panels at the decode rows fusion_buckets picks."""
     global _PLANNED_HERE
     check_mode(mode)
     _PLANNED_HERE = True
@@ -438,14 +468,21 @@ def prepack_weights(model: nn.Module, mode: str, available_bytes: int | None = N
     choose_panel_prefetch(cache_key(), use_cache)  # before the shapes are timed: their verdicts depend on it
     verdicts = _verdicts_by_shape(layers, use_cache)
     prefer = {id(m) for m in prefer_panels}  # quantized ones among them hold no float weight: not here
-    preferring = {shape_key(m.weight, _bias(m)) for m in layers if id(m) in prefer}
-    choices = {skey: choose(v, mode, prefer_panels=skey in preferring) for skey, v in verdicts.items()}
+    fusable = collections.Counter(shape_key(m.weight, _bias(m)) for m in layers if id(m) in prefer)
+
+    def choose_all(max_kinds: int) -> dict[str, dict[str, str]]:
+        fastest = {skey: choose(v, mode, max_kinds) for skey, v in verdicts.items()}
+        panels_at = fusion_buckets(fastest, verdicts, fusable) if fusable else []
+        if panels_at:
+            logger.info("GEMM: panels for the fusable decoder layers' linears at rows %s", ", ".join(panels_at))
+        return {skey: choose(v, mode, max_kinds, panels_at if skey in fusable else ()) for skey, v in verdicts.items()}
+
+    choices = choose_all(MAX_PACKED_KINDS)
     copies = _copy_bytes(layers, choices)
     if mode == "auto":
         budget = (_available_memory() if available_bytes is None else available_bytes) // 4
         if copies > budget:  # one packed kind per layer may still fit
-            one_kind = {skey: choose(v, mode, max_kinds=1, prefer_panels=skey in preferring)
-                        for skey, v in verdicts.items()}
+            one_kind = choose_all(1)
             if _copy_bytes(layers, one_kind) <= budget:
                 logger.info("GEMM: one packed kind per layer: %.1f GiB of copies for two exceed a quarter of "
                             "free memory", copies / 2**30)

@@ -29,7 +29,7 @@ from kvtide.models.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Bumped when the candidates or the measurement change, so older verdicts are not reused."""
 EXPERT_VERSION = 1
 """Bumped when fused_moe's orientation measurement changes."""
@@ -122,6 +122,12 @@ PANEL_PREFETCH_CHOICES = (0, 32, 128)
 """Panel rows the panel kernels may prefetch ahead (0: the hardware prefetcher alone). Streaming one
 row through a weight from memory, a Zen 4 EPYC ran 15-20% faster with none; the kernel was tuned
 with 32 on another machine. Measured once per machine, the first time a model is packed."""
+PANEL_PREFETCH_DEFAULT = 32
+"""The distance the kernel was tuned with; another is chosen only when PREFETCH_MARGIN faster."""
+PREFETCH_MARGIN = 0.05
+"""On a Xeon the three distances timed within 2-4% of each other, in an order that changed from run
+to run, and a 128 picked that way (cached for good) made SmolLM2's one-row down projection 137 ->
+185 us; a Zen 4 EPYC's win with none was 15-20%."""
 PREFETCH_PROBE_SHAPE = (1536, 1024)
 """The weight (N, K) streamed to time each distance: 6 MiB, a mid-size decode linear."""
 
@@ -145,6 +151,15 @@ def measure_panel_prefetch(rounds: int = 5) -> dict[int, float]:
     return best
 
 
+def pick_panel_prefetch(timings: dict[int, float]) -> int:
+    """The fastest distance of `timings`, if PREFETCH_MARGIN faster than PANEL_PREFETCH_DEFAULT."""
+    fastest = min(timings, key=timings.get)
+    default = timings.get(PANEL_PREFETCH_DEFAULT)
+    if default is not None and timings[fastest] > default * (1 - PREFETCH_MARGIN):
+        return PANEL_PREFETCH_DEFAULT
+    return fastest
+
+
 def choose_panel_prefetch(key: dict, use_cache: bool = True) -> int | None:
     """Set the panel kernels' prefetch distance to this machine's fastest (measured once, then read
     from the cache file of `key`); None where the panel kernel is not built."""
@@ -154,7 +169,7 @@ def choose_panel_prefetch(key: dict, use_cache: bool = True) -> int | None:
     distance = _load_file(path).get("panel_prefetch") if use_cache else None
     if distance not in PANEL_PREFETCH_CHOICES:
         timings = measure_panel_prefetch()
-        distance = min(timings, key=timings.get)
+        distance = pick_panel_prefetch(timings)
         logger.info("GEMM panel prefetch: %d rows ahead (1-row stream, us per call: %s)", distance,
                     ", ".join(f"{d}: {t * 1e6:.0f}" for d, t in timings.items()))
         if use_cache:

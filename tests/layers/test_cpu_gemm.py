@@ -198,6 +198,13 @@ def test_the_panel_prefetch_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert len(gemm_tuning.load_cache(gemm_tuning.cache_path(cpu_gemm.cache_key()))) == 3
 
 
+def test_another_prefetch_distance_must_win_clearly():
+    assert gemm_tuning.pick_panel_prefetch({0: 254e-6, 32: 247e-6, 128: 256e-6}) == 32
+    assert gemm_tuning.pick_panel_prefetch({0: 250e-6, 32: 260e-6, 128: 252e-6}) == 32  # 4% is noise here
+    assert gemm_tuning.pick_panel_prefetch({0: 200e-6, 32: 240e-6, 128: 250e-6}) == 0  # a Zen 4's 17%
+    assert gemm_tuning.pick_panel_prefetch({0: 3e-4, 32: 3e-4, 128: 2e-4}) == 128
+
+
 def test_off_never_packs_or_measures(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda *a: pytest.fail("measured with 'off'"))
     model = _layers()
@@ -229,24 +236,40 @@ def test_at_most_two_packed_kinds_per_layer():
     assert set(cpu_gemm.choose(verdicts, "on").values()) == {"mkl-packed"}
 
 
-def test_a_fusable_model_prefers_panels_at_decode_rows():
-    """prefer_panels: at rows 1, 2-8 and 9-64, panels within 15% of the fastest win (a fused decoder
-    layer runs only on panels); further off, above 64 rows, or failing the numerics, they do not."""
-    def verdicts(panels: tuple, mkl: tuple) -> dict:
-        return {b.name: {F_LINEAR: 1.0, "panels": panels[i], "mkl-packed": mkl[i]} for i, b in enumerate(BUCKETS)}
+def _verdicts(panels: tuple, mkl: tuple) -> dict:
+    """Seconds per call at each bucket: F.linear 1 ms, panels and mkl-packed as given (None: failed)."""
+    return {b.name: {F_LINEAR: 1e-3, "panels": panels[i], "mkl-packed": mkl[i]} for i, b in enumerate(BUCKETS)}
 
-    close = verdicts((0.55, 0.55, 0.55, 0.55, 0.55), (0.5, 0.5, 0.5, 0.5, 0.5))  # panels 10% slower
-    assert set(cpu_gemm.choose(close, "auto").values()) == {"mkl-packed"}
-    preferred = cpu_gemm.choose(close, "auto", prefer_panels=True)
-    assert [preferred[b.name] for b in BUCKETS] == ["panels", "panels", "panels", "mkl-packed", "mkl-packed"]
-    far = verdicts((0.6, 0.6, 0.6, 0.6, 0.6), (0.5, 0.5, 0.5, 0.5, 0.5))  # 20% slower
-    assert set(cpu_gemm.choose(far, "auto", prefer_panels=True).values()) == {"mkl-packed"}
-    failing = verdicts((None, None, None, None, None), (0.5, 0.5, 0.5, 0.5, 0.5))
-    assert set(cpu_gemm.choose(failing, "auto", prefer_panels=True).values()) == {"mkl-packed"}
-    # over F.linear too (which 'auto' keeps when nothing is MARGIN faster)
-    plain = {b.name: {F_LINEAR: 1.0, "panels": 1.05} for b in BUCKETS}
-    chosen = cpu_gemm.choose(plain, "auto", prefer_panels=True)
-    assert [chosen[b.name] for b in BUCKETS] == ["panels", "panels", "panels", F_LINEAR, F_LINEAR]
+
+def test_a_fusable_model_moves_to_panels_where_fusing_saves_more_than_panels_cost():
+    """fusion_buckets weighs the time panels add over every fusable linear against what fusing saves
+    (40 us a linear at 1-8 rows, 150 us at 9-64); choose(panels_at=...) then runs panels there."""
+    mkl = (500e-6,) * 5
+    slower_30us = _verdicts((530e-6, 530e-6, 650e-6, 530e-6, 530e-6), mkl)  # +30, +30, +150 us
+    slower_60us = _verdicts((560e-6, 560e-6, 700e-6, 560e-6, 560e-6), mkl)  # +60, +60, +200 us
+    fastest = _verdicts((400e-6,) * 5, mkl)
+    verdicts = {"a": slower_30us, "b": slower_60us, "c": fastest}
+
+    def buckets(counts: dict[str, int]) -> list[str]:
+        choices = {skey: cpu_gemm.choose(verdicts[skey], "auto") for skey in counts}
+        return cpu_gemm.fusion_buckets(choices, verdicts, counts)
+
+    assert buckets({"a": 4}) == ["1", "2-8", "9-64"]
+    assert buckets({"b": 4}) == []
+    assert buckets({"a": 2, "b": 2}) == []  # +45 us a linear at 1-8 rows, +175 us at 9-64
+    assert buckets({"b": 1, "c": 3}) == ["1", "2-8", "9-64"]  # one slow shape among fast ones: +15, +50 us
+    failing = _verdicts((None, 510e-6, 510e-6, 510e-6, 510e-6), mkl)
+    assert cpu_gemm.fusion_buckets({"x": cpu_gemm.choose(failing, "auto")}, {"x": failing}, {"x": 1}) == \
+        ["2-8", "9-64"]
+
+    chosen = cpu_gemm.choose(slower_60us, "auto", panels_at=["1", "2-8"])
+    assert [chosen[b.name] for b in BUCKETS] == ["panels", "panels", "mkl-packed", "mkl-packed", "mkl-packed"]
+    assert set(cpu_gemm.choose(slower_60us, "auto").values()) == {"mkl-packed"}
+    chosen = cpu_gemm.choose(failing, "auto", panels_at=["1", "2-8"])  # panels only where they pass
+    assert [chosen[b.name] for b in BUCKETS] == ["mkl-packed", "panels", "mkl-packed", "mkl-packed", "mkl-packed"]
+    # kept when the kinds are trimmed to one, over a kind that saves more
+    chosen = cpu_gemm.choose(slower_60us, "auto", max_kinds=1, panels_at=["1"])
+    assert [chosen[b.name] for b in BUCKETS] == ["panels", "panels", "panels", "panels", "panels"]
 
 
 def test_auto_counts_one_copy_per_packed_kind_and_falls_back_to_one_kind(monkeypatch):
