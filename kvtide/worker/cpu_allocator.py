@@ -12,21 +12,24 @@ the right trade for a long-running engine.
 The KV pool is read in 4 KiB runs (one block of one KV head) scattered over the whole pool, so
 with 4 KiB pages nearly every block read also misses the TLB and starts a page walk.
 On 2 MiB transparent huge pages (madvise(MADV_HUGEPAGE) and MADV_COLLAPSE, after the first step,
-on a thread of their own) the decode attention call took 12-13% less time
+on a thread of their own, paced) the decode attention call took 12-13% less time
 (scripts/bench_cpu_attention.py, 64 rows x 128-384 tokens, a Xeon with AVX-512).
 KVTIDE_HUGE_PAGES=0 keeps 4 KiB pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import os
 import queue
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -78,29 +81,56 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
     there). Returns the bytes advised; 0 where nothing was (not Linux, not CPU, not contiguous,
     under 2 MiB, KVTIDE_HUGE_PAGES=0). The kernel may still decline (THP set to never, no free huge
     pages): the tensor works the same."""
+    span = _advise(tensor)
+    if span is not None and collapse:
+        _libc().madvise(span[0], span[1] - span[0], _MADV_COLLAPSE)
+    return 0 if span is None else span[1] - span[0]
+
+
+def _advise(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """MADV_HUGEPAGE over the tensor's whole 2 MiB pages; their (start, end) address, or None."""
     if (tensor.device.type != "cpu" or not tensor.is_contiguous() or not sys.platform.startswith("linux")
             or os.environ.get("KVTIDE_HUGE_PAGES", "1") == "0"):
-        return 0
+        return None
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
     libc = _libc()
     if last <= first or not hasattr(libc, "madvise"):
-        return 0
+        return None
     if libc.madvise(first, last - first, _MADV_HUGEPAGE) != 0:
-        return 0
-    if collapse:
-        libc.madvise(first, last - first, _MADV_COLLAPSE)
-    return last - first
+        return None
+    return first, last
+
+
+COLLAPSE_DUTY = 0.1
+"""The share of one core the background collapse may take: it sleeps 9x as long as each huge page
+took. Collapsing a 1 GiB pool in one call took 1.6-7 s of a core on a 2-core KVM guest (~6 ms a huge
+page, some 80 ms), and the first requests of a load arriving then waited 1-2.4 s for their first
+token (S1 on the bench model: TTFT p99 2.3-2.6 s, against 0.52 s on 4 KiB pages and 0.48 s paced).
+Paced, the pool moved in about 80 s there; the huge pages are worth 1-2% of throughput meanwhile."""
+
+
+def _collapse_paced(tensor: torch.Tensor) -> None:
+    """advise_huge_pages, collapsing one huge page at a time at COLLAPSE_DUTY of a core."""
+    span = _advise(tensor)
+    if span is None:
+        return
+    madvise = _libc().madvise
+    for address in range(span[0], span[1], _HUGE_PAGE):
+        began = time.perf_counter()
+        if madvise(address, _HUGE_PAGE, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
+            return  # a kernel before 6.1: no MADV_COLLAPSE at all
+        time.sleep((time.perf_counter() - began) * (1 / COLLAPSE_DUTY - 1))
 
 
 def collapse_in_background(tensors: list[torch.Tensor]) -> None:
-    """Move the tensors onto huge pages from a background thread (advise_huge_pages, with
-    MADV_COLLAPSE); a tensor freed before its turn is skipped. On a KVM guest, fresh huge pages for a
-    1 GiB pool took 0.85-3.96 s to fault in (asked for before zeroing it) against 0.25 s to zero it
-    on the heap's 4 KiB pages, and the collapse 1.6-2.1 s: the engine starts on 4 KiB pages and
-    hands its pool here after its first step. The kernel collapses a live range safely (khugepaged
-    does the same to running processes); the engine keeps serving meanwhile."""
+    """Move the tensors onto huge pages from a background thread, one huge page at a time at
+    COLLAPSE_DUTY of a core and at the lowest CPU priority; a tensor freed before its turn is
+    skipped. On a KVM guest, fresh huge pages for a 1 GiB pool took 0.85-3.96 s to fault in (asked
+    for before zeroing it) against 0.25 s to zero it on the heap's 4 KiB pages: the engine starts on
+    4 KiB pages and hands its pool here after its first step. The kernel collapses a live range
+    safely (khugepaged does the same to running processes); the engine keeps serving meanwhile."""
     if os.environ.get("KVTIDE_HUGE_PAGES", "1") == "0":
         return
     for tensor in tensors:
@@ -119,11 +149,13 @@ def _collapse_queue() -> queue.Queue:
     tensors: queue.Queue = queue.Queue()
 
     def drain() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread alone, the engine first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             tensor = tensors.get()()
             try:
                 if tensor is not None:
-                    advise_huge_pages(tensor)
+                    _collapse_paced(tensor)
             except Exception as e:  # advice only: the tensor works the same on 4 KiB pages
                 logger.debug("huge pages not advised: %s", e)
             finally:
