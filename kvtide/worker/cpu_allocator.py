@@ -111,13 +111,18 @@ token (S1 on the bench model: TTFT p99 2.3-2.6 s, against 0.52 s on 4 KiB pages 
 Paced, the pool moved in about 80 s there; the huge pages are worth 1-2% of throughput meanwhile."""
 
 
-def _collapse_paced(tensor: torch.Tensor) -> None:
-    """advise_huge_pages, collapsing one huge page at a time at COLLAPSE_DUTY of a core."""
-    span = _advise(tensor)
+def _collapse_paced(ref: weakref.ref) -> None:
+    """advise_huge_pages on the tensor `ref` names, collapsing one huge page at a time at
+    COLLAPSE_DUTY of a core; stops once the tensor is freed (never holds it between pages)."""
+    tensor = ref()
+    span = None if tensor is None else _advise(tensor)
+    del tensor
     if span is None:
         return
     madvise = _libc().madvise
     for address in range(span[0], span[1], _HUGE_PAGE):
+        if ref() is None:
+            return
         began = time.perf_counter()
         if madvise(address, _HUGE_PAGE, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
             return  # a kernel before 6.1: no MADV_COLLAPSE at all
@@ -152,14 +157,12 @@ def _collapse_queue() -> queue.Queue:
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread alone, the engine first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
-            tensor = tensors.get()()
+            ref = tensors.get()
             try:
-                if tensor is not None:
-                    _collapse_paced(tensor)
+                _collapse_paced(ref)
             except Exception as e:  # advice only: the tensor works the same on 4 KiB pages
                 logger.debug("huge pages not advised: %s", e)
             finally:
-                del tensor  # the pool may be freed before the next one arrives
                 tensors.task_done()
 
     threading.Thread(target=drain, name="kvtide-huge-pages", daemon=True).start()
