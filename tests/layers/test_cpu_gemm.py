@@ -272,6 +272,33 @@ def test_a_fusable_model_moves_to_panels_where_fusing_saves_more_than_panels_cos
     assert [chosen[b.name] for b in BUCKETS] == ["panels", "panels", "panels", "panels", "panels"]
 
 
+def test_prepack_moves_every_fusable_linear_to_panels_together(monkeypatch):
+    """One fusable shape's panels 30 us slower than mkl-packed at one row (past any per-shape margin),
+    the other's fastest: prepack_weights gives both panels at 1-64 rows, so the layers can fuse, and
+    leaves the layer outside `prefer_panels` on its fastest kernel."""
+    if not CANDIDATES["panels"].available():
+        pytest.skip("the panel kernel is not built here")
+    model = _layers()
+    slow = {cpu_gemm.shape_key(model[0].weight, model[0].bias)}
+
+    def measure(weight, bias, names, packed):
+        skey = cpu_gemm.shape_key(weight, bias)
+        return {b.name: {name: {F_LINEAR: 1e-3, "mkl-packed": 100e-6,
+                                "panels": 130e-6 if skey in slow else 60e-6}.get(name) for name in names}
+                for b in BUCKETS}
+
+    monkeypatch.setattr(cpu_gemm, "measure_shape", measure)
+    monkeypatch.setattr(cpu_gemm, "available_candidates", lambda: [F_LINEAR, "panels", "mkl-packed"])
+    prepack_weights(model, "auto", available_bytes=1 << 40, use_cache=False, prefer_panels=model[:2])
+    panels, mkl = CANDIDATES["panels"].run, CANDIDATES["mkl-packed"].run
+    for rows in (1, 5, 64):
+        assert model[0].gemm_plan.by_rows[rows][0] is panels and model[1].gemm_plan.by_rows[rows][0] is panels
+    assert model[0].gemm_plan.by_rows[65][0] is mkl
+    model = _layers()
+    prepack_weights(model, "auto", available_bytes=1 << 40, use_cache=False, prefer_panels=model[1:2])
+    assert model[0].gemm_plan.by_rows[1][0] is mkl  # not fusable: its fastest kernel
+
+
 def test_auto_counts_one_copy_per_packed_kind_and_falls_back_to_one_kind(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "measure_shape", lambda weight, bias, names, packed: {
         b.name: {name: (0.5 if (name == "panels") == (i == 0) else 1.0) if name != F_LINEAR else 1.0
