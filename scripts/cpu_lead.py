@@ -61,16 +61,21 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, s
     return steps
 
 
-def run_sitting(args: argparse.Namespace) -> None:
+def run_sitting(args: argparse.Namespace) -> list[str]:
+    """Run the steps; the names of those that failed (their figures are then missing from the table)."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
     for name, argv, extra in commands(args):
-        log = args.out_dir / f"{name}.log"
+        log, result = args.out_dir / f"{name}.log", args.out_dir / f"{name}.json"
+        result.unlink(missing_ok=True)  # an earlier sitting's figures never stand in for this one's
         print(f"[cpu-lead] {time.strftime('%H:%M:%S')} {name}: {' '.join(argv[1:])} (log: {log})", flush=True)
         with open(log, "w") as f:
-            code = subprocess.call([*argv, "--output-json", str(args.out_dir / f"{name}.json")],
+            code = subprocess.call([*argv, "--output-json", str(result)],
                                    env={**os.environ, **extra}, stdout=f, stderr=subprocess.STDOUT)
         if code != 0:
+            failed.append(name)
             print(f"[cpu-lead] {name} exited with {code}; see {log}", flush=True)
+    return failed
 
 
 def _median(figures: dict, workload: str, metric: str, engine: str) -> float | None:
@@ -211,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.judge is not None:
         return min(report(args.judge), 1)
     args.out_dir = args.out_dir or Path(time.strftime("cpu-lead-%Y%m%d-%H%M%S"))
-    run_sitting(args)
-    return min(report(args.out_dir), 1)
+    failed = run_sitting(args)
+    missed = report(args.out_dir)
+    if failed:
+        print(f"[cpu-lead] failed, so not judged: {', '.join(failed)}")
+    return min(missed + len(failed), 1)
 
 
 if __name__ == "__main__":

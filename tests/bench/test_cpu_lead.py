@@ -96,3 +96,19 @@ def test_an_empty_sitting_is_an_error(cpu_lead, tmp_path, capsys):
     assert "no results" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cpu_lead.main(["--only", "w1,w9"])
+
+
+def test_a_failed_step_is_named_and_never_judged_from_an_earlier_sitting(cpu_lead, tmp_path, monkeypatch, capsys):
+    w1 = {"figures": _figures("throughput", {"output_tok_s": {"kvtide": 300.0, "vllm": 200.0, "hf": 100.0}})}
+    write_w1 = f"import json, sys; json.dump({w1!r}, open(sys.argv[-1], 'w'))"
+    monkeypatch.setattr(cpu_lead, "commands", lambda args: [
+        ("w1", [sys.executable, "-c", write_w1], {}),
+        ("w2_bench", [sys.executable, "-c", "raise SystemExit(3)"], {})])
+    stale = {"figures": _figures("latency", {"tokens_per_s": {"kvtide": 50.0, "llamacpp": 10.0}})}
+    (tmp_path / "w2_bench.json").write_text(json.dumps(stale))  # an earlier sitting's, in the same folder
+
+    assert cpu_lead.main(["--out-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "1.50x (300.0 tok/s)" in out and "3.00x" in out  # W1 judged from this sitting's file
+    assert "failed, so not judged: w2_bench" in out and "W2" not in out.split("failed")[0]
+    assert not (tmp_path / "w2_bench.json").exists() and (tmp_path / "w2_bench.log").exists()
