@@ -318,12 +318,13 @@ def _is_int(value: object) -> bool:
 
 
 def _is_wire_object(value: object) -> bool:
-    import msgspec
+    """A dict the API process's wire encoder (engine/serialization.py) can send to the engine core."""
+    from kvtide.engine.serialization import encode
 
     if not isinstance(value, dict):
         return False
     try:
-        msgspec.msgpack.encode(value)
+        encode([value])
     except (TypeError, OverflowError, ValueError):
         return False
     return True

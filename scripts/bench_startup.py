@@ -15,9 +15,9 @@ gives every run an empty cache instead (the checkpoint itself is resolved before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.request
 
-from kvtide.bench.common import resolve_model
+from kvtide.bench.common import print_and_save, resolve_model
 from kvtide.machine import describe_machine, machine_info
 
 _OFFLINE_CHILD = """
@@ -98,24 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cold:
         offline_run(model_dir, dict(os.environ))  # fills the caches
     record = {"machine": machine_info(), "model": model_dir, "cold": args.cold, "seconds": {}}
+    lines = []
     for mode in modes:
         times = record["seconds"][mode] = []
         for _ in range(args.runs):
-            env = dict(os.environ)
-            scratch = tempfile.mkdtemp(prefix="kvtide-cold-") if args.cold else None
-            if scratch is not None:
-                env["KVTIDE_CACHE"] = scratch
-            try:
-                times.append(runners[mode](model_dir, env))
-            finally:
-                if scratch is not None:
-                    shutil.rmtree(scratch, ignore_errors=True)
-        print(f"{mode:8s} process start to first token: median {statistics.median(times):.2f} s, "
-              f"min {min(times):.2f}, max {max(times):.2f} ({' '.join(f'{t:.2f}' for t in times)})")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=1)
-    return 0
+            cold = (tempfile.TemporaryDirectory(prefix="kvtide-cold-", ignore_cleanup_errors=True) if args.cold
+                    else contextlib.nullcontext())
+            with cold as scratch:
+                times.append(runners[mode](model_dir, {**os.environ, **({"KVTIDE_CACHE": scratch} if scratch else {})}))
+        lines.append(f"{mode:8s} process start to first token: median {statistics.median(times):.2f} s, "
+                     f"min {min(times):.2f}, max {max(times):.2f} ({' '.join(f'{t:.2f}' for t in times)})")
+    return print_and_save(record, "\n".join(lines), args.output_json)
 
 
 if __name__ == "__main__":

@@ -75,15 +75,13 @@ def keep_large_allocations_on_heap() -> bool:
     return _tuned
 
 
-def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
-    """Back a contiguous CPU tensor's whole 2 MiB-aligned pages with transparent huge pages:
-    MADV_HUGEPAGE (pages faulted in from now on) and, with `collapse`, MADV_COLLAPSE (pages already
-    there). Returns the bytes advised; 0 where nothing was (not Linux, not CPU, not contiguous,
-    under 2 MiB, KVTIDE_HUGE_PAGES=0). The kernel may still decline (THP set to never, no free huge
-    pages): the tensor works the same."""
+def advise_huge_pages(tensor: torch.Tensor) -> int:
+    """MADV_HUGEPAGE over a contiguous CPU tensor's whole 2 MiB-aligned pages: pages faulted in from
+    now on come as transparent huge pages (collapse_in_background moves those already there).
+    Returns the bytes advised; 0 where nothing was (not Linux, not CPU, not contiguous, under 2 MiB,
+    KVTIDE_HUGE_PAGES=0). The kernel may still decline (THP set to never, no free huge pages): the
+    tensor works the same."""
     span = _advise(tensor)
-    if span is not None and collapse:
-        _libc().madvise(span[0], span[1] - span[0], _MADV_COLLAPSE)
     return 0 if span is None else span[1] - span[0]
 
 
@@ -112,7 +110,7 @@ Paced, the pool moved in about 80 s there; the huge pages are worth 1-2% of thro
 
 
 def _collapse_paced(ref: weakref.ref) -> None:
-    """advise_huge_pages on the tensor `ref` names, collapsing one huge page at a time at
+    """MADV_HUGEPAGE, then MADV_COLLAPSE on the tensor `ref` names, one huge page at a time at
     COLLAPSE_DUTY of a core; stops once the tensor is freed (never holds it between pages)."""
     tensor = ref()
     span = None if tensor is None else _advise(tensor)
