@@ -163,6 +163,19 @@ class StructuredOutputsConfig:
     enable_jump_forward: bool = True
     """Append the tokens a grammar forces (keys, punctuation, fixed strings) without sampling
     each; requests that ask for logprobs are always decoded token by token."""
+    max_whitespace_cnt: int | None = 16
+    """The longest run of optional whitespace JSON output may hold (xgrammar's bound; null:
+    unbounded). Without it a model that likes whitespace fills max_tokens with it and never closes
+    the object; 16 still fits a newline and the indentation of pretty-printed JSON 4 levels deep."""
+    compile_workers: int = 2
+    """Grammar compiler processes (started as needed): a slow compile holds one, not all."""
+    compile_timeout_s: float = 30.0
+    """Wall time one grammar may compile for; past it the compile is killed and its requests fail."""
+    compile_memory_limit: int | str = 1 << 30
+    """Memory one compile may take beyond its process's start-up footprint (bytes or '1GiB');
+    past it the compile fails and its process is replaced."""
+    cache_bytes: int | str = 256 << 20
+    """Compiled grammars kept for reuse, in bytes (least recently used dropped first)."""
 
     @classmethod
     def parse(cls, value: str | dict | None) -> StructuredOutputsConfig:
@@ -180,14 +193,35 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"structured_outputs_config: unknown key(s) {sorted(unknown)}; known: backend, "
-                             "enable_jump_forward")
+            raise ValueError(f"structured_outputs_config: unknown key(s) {sorted(unknown)}; known: "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         config = cls(**value)
         if config.backend not in ("auto", "xgrammar"):
             raise ValueError(f"structured_outputs_config.backend must be 'xgrammar' or 'auto', got {config.backend!r}")
         if not isinstance(config.enable_jump_forward, bool):
             raise ValueError("structured_outputs_config.enable_jump_forward must be true or false")
-        return config
+        return config._checked_limits()
+
+    def _checked_limits(self) -> StructuredOutputsConfig:
+        """The compile limits checked, byte sizes as ints; ValueError naming the key."""
+        from kvtide.sizes import parse_size
+
+        def positive_int(name: str, value: object, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"structured_outputs_config.{name} must be an integer >= 1"
+                                 f"{' or null' if allow_none else ''}, got {value!r}")
+
+        positive_int("max_whitespace_cnt", self.max_whitespace_cnt, allow_none=True)
+        positive_int("compile_workers", self.compile_workers)
+        timeout = self.compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"structured_outputs_config.compile_timeout_s must be a number > 0, got {timeout!r}")
+        return dataclasses.replace(
+            self, compile_timeout_s=float(timeout),
+            compile_memory_limit=parse_size(self.compile_memory_limit, "structured_outputs_config.compile_memory_limit"),
+            cache_bytes=parse_size(self.cache_bytes, "structured_outputs_config.cache_bytes"))
 
 
 @dataclass(frozen=True)

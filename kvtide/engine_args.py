@@ -73,8 +73,11 @@ class EngineArgs:
     "prompt_lookup_min"/"prompt_lookup_max" (ngram), "num_layers" (layer_skip), "disable_by_batch_size",
     "adaptive" (default true: per-request draft lengths from measured acceptance)."""
     structured_outputs_config: str | dict | None = None
-    """Constrained decoding, as JSON: {"backend": "xgrammar", "enable_jump_forward": true} (jump-forward
-    appends the tokens a grammar forces without a forward pass each)."""
+    """Constrained decoding, as JSON: {"backend": "xgrammar", "enable_jump_forward": true (append the
+    tokens a grammar forces without a forward pass each), "max_whitespace_cnt": 16 (longest run of
+    optional JSON whitespace; null: unbounded), "compile_workers": 2, "compile_timeout_s": 30,
+    "compile_memory_limit": "1GiB", "cache_bytes": "256MiB"} (grammars compile in child processes under
+    these limits; past them only the grammar's own requests fail)."""
     quantization: str | None = None
     """Weight quantization. A quantized checkpoint is served in its own format, detected from
     config.json's quantization_config (gptq, awq, compressed-tensors, fp8) or a GGUF file's tensor
@@ -140,7 +143,8 @@ class EngineArgs:
     data_parallel_address: str | None = None
     """The head node's address that replicas on other nodes reach (multi-node data parallelism)."""
     data_parallel_rpc_port: int | None = None
-    """Port on data_parallel_address where replicas on other nodes join the head (default 29550)."""
+    """Port on data_parallel_address where replicas on other nodes join the head (default 29550); a join
+    is authenticated with $KVTIDE_DP_SECRET, the same on every node (engine/dp_auth.py)."""
     data_parallel_start_rank: int = 0
     """The first replica rank this node runs: 0 on the head (the API server's node), the ranks after
     the head's and earlier nodes' on a headless node."""

@@ -13,6 +13,16 @@ from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_STRUCTURED_SPEC_BYTES = 256 * 1024
+"""UTF-8 bytes of a structured-output JSON schema (as JSON text): compile time and memory grow with
+it (a 256 KiB schema of tool calls compiles in ~3 s and ~75 MB against a 49k vocabulary)."""
+MAX_STRUCTURED_GRAMMAR_BYTES = 16 * 1024
+"""UTF-8 bytes of a regex, EBNF grammar or structural tag: they compile to larger automata per
+byte than schemas (16 KiB: ~0.3 s; a 256 KiB regex passes 1 GiB while compiling)."""
+MAX_STRUCTURED_CHOICES = 256
+"""Strings of a structured-output choice."""
+MAX_STRUCTURED_CHOICE_BYTES = 8 * 1024
+"""UTF-8 bytes of all choice strings together: long alternatives compile slowly (8 x 1 KiB: ~1 s)."""
 
 
 @dataclass
@@ -70,6 +80,7 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
+        self._check_sizes()
         if self.json_object not in (None, True):
             raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
         if self.reasoning_end_token_ids is not None:
@@ -81,6 +92,27 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
                              "use disable_any_whitespace")
+
+    def _check_sizes(self) -> None:
+        """Bounded compile work: each constraint is compiled against the whole vocabulary, in time
+        and memory that grow with its text, so its size is capped before anything is queued."""
+        if self.choice is not None:
+            if len(self.choice) > MAX_STRUCTURED_CHOICES:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_STRUCTURED_CHOICES} choices, got "
+                                 f"{len(self.choice)}")
+            size = sum(len(c.encode("utf-8", "surrogatepass")) for c in self.choice)
+            if size > MAX_STRUCTURED_CHOICE_BYTES:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_STRUCTURED_CHOICE_BYTES} bytes of "
+                                 f"choices together, got {size}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            text = value if isinstance(value, str) else _json.dumps(value)
+            size = len(text.encode("utf-8", "surrogatepass"))
+            limit = MAX_STRUCTURED_SPEC_BYTES if name == "json" else MAX_STRUCTURED_GRAMMAR_BYTES
+            if size > limit:
+                raise ValueError(f"structured_outputs.{name}: at most {limit} bytes, got {size}")
 
     @property
     def kind(self) -> str:

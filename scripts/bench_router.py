@@ -69,12 +69,16 @@ def _cpu_shares(n: int) -> list[list[int]]:
     return [cpus[i * per:(i + 1) * per] for i in range(n)] if per else [cpus] * n
 
 
+ADMIN_KEY = "bench-admin-key"
+"""The backends' --admin-api-key (their /internal/stats holds the prefix-cache counters)."""
+
+
 @contextlib.contextmanager
 def backends(args, model_dir: str, log_dir: str) -> Iterator[list[str]]:
     from kvtide.bench import peers
 
     extra = ["--log-level", "warning", "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs",
-             str(args.max_num_seqs), "--enable-admin-api"]
+             str(args.max_num_seqs), "--enable-admin-api", "--admin-api-key", ADMIN_KEY]
     taskset = shutil.which("taskset")
     started: list = []
     try:
@@ -130,7 +134,8 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
     """(looked-up tokens, hit tokens) summed over the backends' engines."""
     queries = hits = 0.0
     for url in urls:
-        stats = httpx.get(url + "/internal/stats", timeout=10.0).json()
+        stats = httpx.get(url + "/internal/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                          timeout=10.0).json()
         queries += stats["prefix_cache_queries"]
         hits += stats["prefix_cache_hits"]
     return queries, hits

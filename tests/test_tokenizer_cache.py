@@ -1,10 +1,15 @@
-"""load_tokenizer's on-disk cache: the second start takes the built tokenizer from
-$KVTIDE_CACHE/tokenizers, and it behaves as the one transformers builds."""
+"""load_tokenizer's on-disk cache: the second start rebuilds the tokenizer from the data kept in
+$KVTIDE_CACHE/tokenizers (backend JSON, class name, init arguments), and it behaves as the one
+transformers builds; an entry that is anything else (a pickle that once ran code) runs nothing."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import shutil
+import struct
 
 import pytest
 import transformers
@@ -36,7 +41,7 @@ def copy_of(tmp_path, llama_dir):
 
 
 def _entries(cache) -> list[str]:
-    return sorted(os.listdir(cache)) if cache.exists() else []
+    return sorted(n for n in os.listdir(cache) if not n.endswith(".pkl")) if cache.exists() else []
 
 
 def _refuse_to_build(monkeypatch):
@@ -56,12 +61,18 @@ def _assert_same(a, b):
         b.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_the_second_load_comes_from_the_cache_and_behaves_the_same(model, cache, monkeypatch, llama_dir):
+@pytest.mark.parametrize("model", ["tiny", "qwen2-class", "smollm2"])
+def test_the_second_load_comes_from_the_cache_and_behaves_the_same(model, cache, monkeypatch, llama_dir, copy_of):
     if model == "smollm2":  # the real model's BPE tokenizer, as the GGUF's prepared directory holds it
         from kvtide.engine_args import EngineArgs
 
         directory = EngineArgs(model="smollm2").resolve_model_dir()
+    elif model == "qwen2-class":  # a class with an __init__ of its own (it builds from vocab and merges)
+        directory = copy_of()
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump({**config, "tokenizer_class": "Qwen2Tokenizer"}, f)
     else:
         directory = llama_dir
     reference = transformers.AutoTokenizer.from_pretrained(directory)
@@ -90,38 +101,98 @@ def test_an_unreadable_entry_is_built_again_and_replaced(cache, copy_of, caplog)
     directory = copy_of()
     reference = load_tokenizer(directory)
     (entry,) = _entries(cache)
-    (cache / entry).write_bytes(b"not a pickle")
+    meta = cache / entry / tokenizer_module.META_FILE
+    meta.write_bytes(b"not json")
     with caplog.at_level("WARNING", logger="kvtide.tokenizer"):
         rebuilt = load_tokenizer(directory)
     assert "unreadable" in caplog.text
     _assert_same(rebuilt, reference)
-    assert (cache / entry).read_bytes() != b"not a pickle"
-    assert _entries(cache) == [entry]  # no temporary file left behind
+    assert json.loads(meta.read_text())["class"] == type(reference).__name__
+    assert _entries(cache) == [entry]  # no temporary directory left behind
 
 
-class _Planted:
-    """An entry that, unpickled by a plain pickle.load, would write a marker file."""
+def _bypass_payload(marker: str) -> bytes:
+    """A pickle that runs `touch marker` through names a 'tokenizers*'-only find_class resolved: the
+    chain tokenizers.implementations...BaseTokenizer.__init__ reaches FunctionType and CodeType (both
+    types, both "in" tokenizers), so it builds a function from bytecode of its own and calls it."""
+    def body():
+        __import__("os").system("COMMAND")
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+    code = body.__code__
+    constants = tuple(f"touch {marker}" if c == "COMMAND" else c for c in code.co_consts)
+    arguments = (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_nlocals,
+                 code.co_stacksize, code.co_flags, code.co_code, constants, code.co_names, code.co_varnames,
+                 code.co_filename, code.co_name, code.co_qualname, code.co_firstlineno, code.co_linetable,
+                 code.co_exceptiontable, code.co_freevars, code.co_cellvars)
 
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+    def text(value: str) -> bytes:
+        return b"\x8c" + struct.pack("<B", len(value)) + value.encode()
+
+    init = "implementations.base_tokenizer.BaseTokenizer.__init__"
+    return (b"\x80\x04" + text("tokenizers") + text(init + ".__class__") + b"\x93"  # FunctionType
+            + text("tokenizers") + text(init + ".__code__.__class__") + b"\x93"  # CodeType
+            + pickle.dumps(arguments, protocol=3)[2:-1] + b"R"  # CodeType(*arguments)
+            + b"}\x86R" + b")R.")  # FunctionType(code, {})()
+
+
+class _OldReader(pickle.Unpickler):
+    """The reader kvtide had: tokenizers' types, transformers' tokenizer classes, a few containers."""
+
+    def find_class(self, module: str, name: str):
+        if module == "tokenizers" or module.startswith("tokenizers."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tokenizer")
 
 
 def test_a_planted_entry_runs_nothing_and_is_replaced(cache, copy_of, tmp_path, caplog):
-    import pickle
+    payload_works = tmp_path / "payload-works"
+    _OldReader(io.BytesIO(_bypass_payload(str(payload_works)))).load()
+    assert payload_works.exists()  # the file is a live exploit for a restricted unpickler
 
     directory = copy_of()
     reference = load_tokenizer(directory)
-    (entry,) = _entries(cache)
     marker = tmp_path / "ran"
-    (cache / entry).write_bytes(pickle.dumps(_Planted(str(marker))))
+    for file in [f for f in cache.rglob("*") if f.is_file()]:  # whatever the entry's files are, and a pickle
+        file.write_bytes(_bypass_payload(str(marker)))
+        file.with_name(file.name + ".pkl").write_bytes(_bypass_payload(str(marker)))
     with caplog.at_level("WARNING", logger="kvtide.tokenizer"):
         loaded = load_tokenizer(directory)
     assert not marker.exists()
-    assert "is not part of a tokenizer" in caplog.text
+    assert "unreadable" in caplog.text
     _assert_same(loaded, reference)
+    (entry,) = _entries(cache)
+    assert json.loads((cache / entry / tokenizer_module.META_FILE).read_text())["format"] == tokenizer_module._FORMAT
+
+
+@pytest.mark.parametrize("meta", [{"class": "Pipeline"}, {"class": "os.system"},
+                                  {"arguments": {"tokenizer_file": "/etc/passwd"}},
+                                  {"arguments": {"bos_token": {"__reduce__": "os.system"}}}])
+def test_an_entry_naming_another_class_or_a_file_is_refused(meta, cache, copy_of, caplog):
+    directory = copy_of()
+    reference = load_tokenizer(directory)
+    (entry,) = _entries(cache)
+    file = cache / entry / tokenizer_module.META_FILE
+    planted = json.loads(file.read_text())
+    planted.update(meta)
+    file.write_text(json.dumps(planted))
+    with caplog.at_level("WARNING", logger="kvtide.tokenizer"):
+        loaded = load_tokenizer(directory)
+    assert "unreadable" in caplog.text
+    _assert_same(loaded, reference)
+
+
+def test_a_class_outside_the_allow_list_is_not_cached(cache, copy_of):
+    directory = copy_of()
+    config = os.path.join(directory, "tokenizer_config.json")
+    with open(config) as f:
+        content = json.load(f)
+    with open(config, "w") as f:
+        json.dump({**content, "tokenizer_class": "RobertaTokenizer"}, f)
+    tokenizer = load_tokenizer(directory)
+    assert type(tokenizer).__name__ == "RobertaTokenizer"
+    assert _entries(cache) == []
 
 
 def test_the_cache_keeps_only_the_newest_entries(cache, copy_of, monkeypatch):

@@ -16,7 +16,9 @@ holds an flock on `kvtide.flock` in that directory while it builds or loads, whi
 releases if the process dies. cpp_extension's own `lock` file is not released that way (a build
 killed mid-way leaves it, and every later start would wait on it forever), so one found under the
 flock, where no live kvtide process can own it, is removed. No compiler, a failed build, or KVTIDE_CPU_KERNELS=0
-gives None (with one warning), and the callers fall back to pure torch.
+gives None (with one warning), and the callers fall back to pure torch. A build directory another user
+could write to (a library planted there would be loaded into this process) is refused before anything
+is built or loaded from it: an UnsafeCacheDirError (models/cache_dir.py), never a silent fallback.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvtide.models.cache_dir import cache_root
+from kvtide.models.cache_dir import UnsafeCacheDirError, cache_root, private_cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,8 @@ def prebuild(source: Path, library: str, what: str, isa: str | None = None) -> N
         return
 
     def build() -> None:
-        _loaded[key] = _build(source, library, isa, what)
+        with contextlib.suppress(UnsafeCacheDirError):  # load_cpu_op builds again and raises it to its caller
+            _loaded[key] = _build(source, library, isa, what)
 
     thread = _building[key] = threading.Thread(target=build, name=f"kvtide-build-{source.stem}", daemon=True)
     thread.start()
@@ -132,13 +135,13 @@ def build_directory(isa: str, source: Path = SOURCE) -> Path:
 
 
 def _build(source: Path, library: str, isa: str, what: str) -> str | None:
-    """The op namespace of `source`'s build for `isa`, or None (the reason logged once)."""
+    """The op namespace of `source`'s build for `isa`, or None (the reason logged once); an unsafe
+    build directory is an UnsafeCacheDirError."""
     namespace = f"{library}_{isa}"
     try:
         from torch.utils import cpp_extension
 
-        directory = build_directory(isa, source)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = Path(private_cache_path(str(build_directory(isa, source))))  # created 0700, or refused
         with _exclusive_build(directory):
             cpp_extension.load(
                 name=f"{library}_{source.stem}_{isa}", sources=[str(source)],
@@ -146,6 +149,8 @@ def _build(source: Path, library: str, isa: str, what: str) -> str | None:
                 extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                 verbose=False)
         return namespace
+    except UnsafeCacheDirError:
+        raise
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, but say why
         _warn_once(f"{what} ({isa}) unavailable, using pure torch: "
                    f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtide.machine import describe_machine, machine_info
-from kvtide.models.cache_dir import build_cached_dir, cache_root
+from kvtide.models.cache_dir import build_cached_dir, cache_dir, cache_root
 
 BENCH_MODEL_VERSION = "v2"
 BENCH_MODEL_CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -62,7 +62,7 @@ def bench_model_path(shape: str | None = None) -> str:
 
     architecture, config = ("LlamaForCausalLM", BENCH_MODEL_CONFIG) if shape is None else BENCH_SHAPES[shape]
     name = f"llama-h768-l12-{BENCH_MODEL_VERSION}" if shape is None else f"{shape}-{BENCH_SHAPES_VERSION}"
-    path = os.path.join(cache_root(), "bench-models", name)
+    path = cache_dir("bench-models", name, create=False)  # checked before it is read
     marker = os.path.join(path, "kvtide_bench_model.json")
     if os.path.exists(marker):
         return path

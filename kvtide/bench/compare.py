@@ -55,7 +55,7 @@ from collections import Counter
 
 from kvtide.bench import peers
 from kvtide.bench.common import (
-    cache_root,
+    cache_dir,
     format_machine,
     greedy_agreement,
     machine_record,
@@ -262,8 +262,7 @@ def _gguf_for(args, model_dir: str) -> str:
     if not args.llamacpp_python:
         raise RuntimeError("converting the checkpoint to GGUF needs llama.cpp's python (--llamacpp-python) "
                            "or a --gguf file")
-    out = os.path.join(cache_root(), "bench-models", os.path.basename(os.path.normpath(model_dir)) + "-f32.gguf")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = os.path.join(cache_dir("bench-models"), os.path.basename(os.path.normpath(model_dir)) + "-f32.gguf")
     return peers.convert_to_gguf(model_dir, args.llamacpp_python, script, out)
 
 

@@ -12,7 +12,7 @@ import re
 from collections import Counter
 
 from kvtide.bench import peers
-from kvtide.bench.common import cache_root
+from kvtide.bench.common import cache_dir
 
 ALL_ENGINES = ("kvtide", "hf", "vllm", "llamacpp")
 KVTIDE_VARIANTS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "fp8", "w8a8", "w4a8", "w4a8-g32",
@@ -154,8 +154,7 @@ def quantized_gguf_path(source: str, gguf_type: str) -> str:
     stem = re.sub(r"-(f32|f16|bf16)$", "", os.path.splitext(os.path.basename(source))[0], flags=re.IGNORECASE)
     directory = os.path.dirname(os.path.abspath(source))
     if not os.access(directory, os.W_OK):
-        directory = os.path.join(cache_root(), "bench-models")
-        os.makedirs(directory, exist_ok=True)
+        directory = cache_dir("bench-models")
     return os.path.join(directory, f"{stem}-{gguf_type}.gguf")
 
 

@@ -46,6 +46,8 @@ class ConnectorStats:
     """tier name -> blocks written to it."""
     corrupt_entries: int = 0
     """Entries found truncated, corrupted or of another layout (recomputed, never used)."""
+    rejected_entries: int = 0
+    """Entries not signed with the deployment's KV secret: unsigned or forged (recomputed, never used)."""
     transfer_failures: int = 0
     """p2p pulls that failed or timed out (the prompt was computed instead)."""
     staged_requests: int = 0
@@ -53,7 +55,8 @@ class ConnectorStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"hit_tokens": dict(self.hit_tokens), "saved_blocks": dict(self.saved_blocks),
-                "corrupt_entries": self.corrupt_entries, "transfer_failures": self.transfer_failures,
+                "corrupt_entries": self.corrupt_entries, "rejected_entries": self.rejected_entries,
+                "transfer_failures": self.transfer_failures,
                 "staged_requests": self.staged_requests}
 
 

@@ -11,7 +11,10 @@ from typing import Any
 CONNECTORS = ("cpu_offload", "redis", "multi", "p2p")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SECRET_ENV = "KVTIDE_KV_SECRET"
-"""Where the p2p connector reads its shared secret when the config does not hold one."""
+"""Where the p2p and Redis connectors read the shared secret when the config does not hold one."""
+SIGNED_CONNECTORS = ("p2p", "redis", "multi")
+"""Connectors whose traffic other hosts can write (a transfer port, a shared Redis): they need the
+deployment's KV secret, and refuse to start without it."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class KVTransferConfig:
     kv_port: int = 0
     """p2p: a producer's transfer port (0: any free port, reported in kv_transfer_params)."""
     kv_secret: str | None = field(default=None, repr=False)
-    """p2p: the shared secret both ends authenticate with (default: $KVTIDE_KV_SECRET); never logged."""
+    """p2p, redis, multi: the deployment's shared secret (default: $KVTIDE_KV_SECRET), never logged:
+    p2p pulls are authenticated with it and Redis entries signed with it."""
     kv_stage_ttl_s: float = 60.0
     """p2p: how long a producer keeps a staged prompt no decode instance has pulled."""
     kv_stage_max_bytes: int = 1 << 30
@@ -55,8 +59,9 @@ class KVTransferConfig:
     def secret(self) -> bytes:
         value = self.kv_secret if self.kv_secret is not None else os.environ.get(SECRET_ENV)
         if not value:
-            raise ValueError(f"the p2p KV connector needs a shared secret: set kv_secret in --kv-transfer-config "
-                             f"or ${SECRET_ENV} on both instances")
+            raise ValueError(f"the {self.kv_connector} KV connector needs a shared secret (p2p pulls are "
+                             f"authenticated and Redis entries signed with it): set ${SECRET_ENV} (or kv_secret "
+                             f"in --kv-transfer-config), the same on every instance")
         return value.encode()
 
 
@@ -103,5 +108,5 @@ def _check(c: KVTransferConfig) -> None:
         raise ValueError(f"redis_ttl_s must be a positive integer or null, got {c.redis_ttl_s!r}")
     if c.kv_connector in ("redis", "multi") and not str(c.redis_url).startswith(("redis://", "rediss://", "unix://")):
         raise ValueError("redis_url must start with redis://, rediss:// or unix://")
-    if c.kv_connector == "p2p":
+    if c.kv_connector in SIGNED_CONNECTORS:
         c.secret()

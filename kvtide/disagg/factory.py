@@ -45,7 +45,7 @@ def make_kv_connector(config: KVTransferConfig, runner, model_name: str) -> KVCo
         if config.kv_connector in ("redis", "multi"):
             namespace = model_namespace(model_name, runner.config.model_config.hf_config, runner.model)
             redis = RedisTier(config.redis_url, namespace, block_io.layout_id, config.redis_ttl_s,
-                              config.redis_maxmemory)
+                              config.redis_maxmemory, secret=config.secret())
         scheduler = TieredScheduler(cpu, redis)
         worker = TieredWorker(cpu, redis, scheduler.stats)
     worker.register_kv_caches(block_io)

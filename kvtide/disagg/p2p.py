@@ -14,7 +14,6 @@ instance the prompt's computation, never a wrong token or a hang.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -29,6 +28,7 @@ import zmq
 from kvtide.disagg.base import ConnectorStats, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
 from kvtide.disagg.entry import checksum
 from kvtide.engine.request import RequestStatus
+from kvtide.net_auth import hmac_sha256, same_mac
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +36,21 @@ MAX_CLOCK_SKEW_S = 60.0
 """A pull signed further from the producer's clock than this is refused (replay window)."""
 PENDING_RETRY_S = 0.01
 """How soon a consumer asks again for a prompt its producer is still copying out."""
-
-
-def _sign(secret: bytes, data: bytes) -> bytes:
-    return hmac.new(secret, data, hashlib.sha256).digest()
+PULL_MAX_BYTES = 4096
+"""Largest frame the transfer port accepts (ZMQ_MAXMSGSIZE): a pull is ~120 bytes of JSON and a
+32-byte MAC. A frame announcing more is refused from its length header, before it is received,
+and the connection dropped; a pull of more than two frames is refused after its second."""
+ANSWER_HEADER_MAX_BYTES = 64 << 20
+"""Largest answer header a consumer accepts: the prompt's token ids and one checksum per block
+(about 10 bytes a token: room for prompts of millions of tokens). A block payload may be larger:
+a consumer's bound is the larger of the two."""
 
 
 def sign_params(secret: bytes, params: dict) -> str:
     """The producer's signature over the params it hands out: a consumer pulls only from params a
     producer of its deployment made, so a client cannot point it at another host or port."""
     fields = {k: params.get(k) for k in ("remote_host", "remote_port", "transfer_id", "num_tokens")}
-    return _sign(secret, json.dumps(fields, sort_keys=True).encode()).hex()
+    return hmac_sha256(secret, json.dumps(fields, sort_keys=True).encode()).hex()
 
 
 @dataclass
@@ -123,6 +127,7 @@ class TransferServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, PULL_MAX_BYTES)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
@@ -141,8 +146,7 @@ class TransferServer:
         while not self._stop.is_set():
             if not poller.poll(200):
                 continue
-            frames = self._sock.recv_multipart()
-            ident, rest = frames[0], frames[1:]
+            ident, rest = self._recv_pull()
             try:
                 reply = self._answer(rest)
             except Exception as e:  # a malformed pull never stops the port
@@ -151,8 +155,19 @@ class TransferServer:
             self._sock.send_multipart([ident, *reply])
         self._sock.close(0)
 
+    def _recv_pull(self) -> tuple[bytes, list[bytes]]:
+        """(peer identity, frames): a pull's two frames, or three when it sent more (the rest are
+        read one by one, each under PULL_MAX_BYTES, and dropped: never held together)."""
+        ident = self._sock.recv()
+        frames: list[bytes] = []
+        while self._sock.getsockopt(zmq.RCVMORE):
+            frame = self._sock.recv()
+            if len(frames) < 3:
+                frames.append(frame)
+        return ident, frames
+
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) != 2 or not hmac.compare_digest(_sign(self.secret, frames[0]), frames[1]):
+        if len(frames) != 2 or not same_mac(hmac_sha256(self.secret, frames[0]), frames[1]):
             self.num_refused += 1
             logger.warning("KV transfer: refused a pull that is not signed with the shared secret")
             return [json.dumps({"error": "unauthorized"}).encode(), b""]
@@ -175,7 +190,7 @@ class TransferServer:
 
     def _signed(self, header: dict) -> list[bytes]:
         data = json.dumps(header).encode()
-        return [data, _sign(self.secret, data)]
+        return [data, hmac_sha256(self.secret, data)]
 
     def close(self) -> None:
         self._stop.set()
@@ -183,14 +198,16 @@ class TransferServer:
 
 
 def pull(host: str, port: int, transfer_id: str, secret: bytes, layout_id: str,
-         timeout_s: float) -> tuple[list[int], list[bytes]]:
+         timeout_s: float, block_bytes: int = 0) -> tuple[list[int], list[bytes]]:
     """(token ids, block payloads) of a staged prompt; raises on any failure (refused, expired,
     timed out, a bad signature or checksum, another layout). A prompt the producer is still
-    copying out is asked for again until `timeout_s`."""
+    copying out is asked for again until `timeout_s`. No answer frame may exceed a block
+    (`block_bytes`) or ANSWER_HEADER_MAX_BYTES, whichever is larger."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return _pull_once(host, port, transfer_id, secret, layout_id, max(deadline - time.monotonic(), 0.01))
+            return _pull_once(host, port, transfer_id, secret, layout_id, max(deadline - time.monotonic(), 0.01),
+                              max(block_bytes, ANSWER_HEADER_MAX_BYTES))
         except _Pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the producer did not stage transfer {transfer_id} within {timeout_s:.0f} s") from None
@@ -202,20 +219,21 @@ class _Pending(Exception):
 
 
 def _pull_once(host: str, port: int, transfer_id: str, secret: bytes, layout_id: str,
-               timeout_s: float) -> tuple[list[int], list[bytes]]:
+               timeout_s: float, max_frame_bytes: int) -> tuple[list[int], list[bytes]]:
     nonce = secrets.token_hex(16)
     body = json.dumps({"transfer_id": transfer_id, "ts": time.time(), "nonce": nonce}).encode()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send_multipart([body, _sign(secret, body)])
+        sock.send_multipart([body, hmac_sha256(secret, body)])
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer from {host}:{port} within {timeout_s:.0f} s") from None
         frames = sock.recv_multipart()
     finally:
         sock.close(0)
-    if len(frames) < 2 or not hmac.compare_digest(_sign(secret, frames[0]), frames[1]):
+    if len(frames) < 2 or not same_mac(hmac_sha256(secret, frames[0]), frames[1]):
         raise PermissionError("the producer's answer is not signed with the shared secret")
     header = json.loads(frames[0])
     if header.get("error") == "pending" and header.get("nonce") == nonce:
@@ -289,7 +307,7 @@ class P2PScheduler(KVConnectorScheduler):
             assert self._pool is not None
             self._pulls[request.request_id] = self._pool.submit(
                 pull, params["remote_host"], params["remote_port"], params["transfer_id"], self.secret,
-                self.layout_id, self.config.kv_transfer_timeout_s)
+                self.layout_id, self.config.kv_transfer_timeout_s, self.block_bytes)
             return None
         if not future.done():
             return None

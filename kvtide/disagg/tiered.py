@@ -73,6 +73,7 @@ class TieredScheduler(KVConnectorScheduler):
                     break
         if self.redis is not None:
             self.stats.corrupt_entries = self.redis.num_corrupt
+            self.stats.rejected_entries = self.redis.num_rejected
         return (i - start) * self.block_size
 
     def update_state_after_alloc(self, request, num_external_tokens: int) -> None:

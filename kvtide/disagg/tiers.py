@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from urllib.parse import urlsplit, urlunsplit
 
-from kvtide.disagg.entry import pack, unpack
+from kvtide.disagg.entry import CORRUPT, FORGED, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,14 @@ def redact(url: str) -> str:
 
 
 class RedisTier:
-    """Blocks in Redis under `kvtide:kv:<model>:<layout>:<hash>`, each a checked entry (entry.py):
-    a truncated or corrupted value is deleted and reported, never loaded."""
+    """Blocks in Redis under `kvtide:kv:<model>:<layout>:<hash>`, each a checked entry signed with
+    the deployment's KV secret (entry.py): a truncated, corrupted, unsigned or forged value is
+    deleted (so a genuine one can be written in its place) and counted, never loaded."""
 
     name = "redis"
 
     def __init__(self, url: str, namespace: str, layout_id: str, ttl_s: int | None,
-                 maxmemory: str | None = None) -> None:
+                 maxmemory: str | None = None, *, secret: bytes) -> None:
         import redis
 
         kwargs = {}
@@ -90,7 +91,10 @@ class RedisTier:
         self.prefix = f"kvtide:kv:{namespace}:{layout_id}:".encode()
         self.layout_id = layout_id
         self.ttl_s = ttl_s
+        self.secret = secret
         self.num_corrupt = 0
+        self.num_rejected = 0
+        """Entries not signed with this deployment's secret (unsigned, forged, or another deployment's)."""
         try:
             self.client.ping()
             if maxmemory is not None:
@@ -114,12 +118,20 @@ class RedisTier:
                 for k in batch:
                     pipe.get(k)
                 for redis_key, blob in zip(batch, pipe.execute(), strict=True):
-                    payload = unpack(self.layout_id, blob)
+                    payload = unpack(self.secret, redis_key, self.layout_id, blob)
                     if payload is None:
-                        if blob is not None:
-                            self.num_corrupt += 1
-                            logger.warning("KV tier: dropping a damaged Redis entry (%d bytes)", len(blob))
-                            self.client.delete(redis_key)
+                        return out
+                    if payload == CORRUPT:
+                        self.num_corrupt += 1
+                        logger.warning("KV tier: dropping a damaged Redis entry (%d bytes)", len(blob))
+                        self.client.delete(redis_key)
+                        return out
+                    if payload == FORGED:
+                        self.num_rejected += 1
+                        logger.warning("KV tier: dropping a Redis entry not signed with this deployment's KV secret "
+                                       "(%s, %d bytes): forged, or written by an instance with another secret",
+                                       redis_key.decode(errors="replace"), len(blob))
+                        self.client.delete(redis_key)
                         return out
                     out.append(payload)
         except redis.RedisError as e:
@@ -135,7 +147,8 @@ class RedisTier:
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for key, payload in items:
-            pipe.set(self._key(key), pack(self.layout_id, payload), ex=self.ttl_s)
+            redis_key = self._key(key)
+            pipe.set(redis_key, pack(self.secret, redis_key, self.layout_id, payload), ex=self.ttl_s)
         pipe.execute()
 
     def close(self) -> None:

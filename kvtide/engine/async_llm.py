@@ -351,7 +351,7 @@ class AsyncLLM:
             return
         logger.error("request %s failed in the engine: %s", parent_id, out.error)
         self._abort(state.request_id, "error")
-        state.queue.put_nowait(EngineGenerateError(str(out.error)))
+        state.queue.put_nowait(EngineGenerateError(str(out.error), out.error_status))
 
     def _on_engine_dead(self, error: EngineDeadError) -> None:
         for state in list(self._requests.values()):

@@ -59,7 +59,7 @@ class EngineCore:
         spec = config.speculative_config
         self.structured_output = StructuredOutputManager(
             load_tokenizer or _no_tokenizer, getattr(config.model_config.hf_config, "vocab_size", 0),
-            config.structured_outputs_config.enable_jump_forward)
+            config.structured_outputs_config.enable_jump_forward, config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.model_config.max_model_len,
                                    SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
@@ -93,6 +93,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         request_ids = self.beam_search.abort(request_ids)
+        for request_id in request_ids:  # a grammar compile nobody waits for any more is cancelled
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.structured_output.remove_request(request)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:

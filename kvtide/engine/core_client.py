@@ -9,7 +9,8 @@
           ▲ watchdog (same task): nothing heard for engine_timeout_s -> EngineDeadError too
 
 The client spawns the process (a fresh interpreter: `python -m kvtide.engine.core_proc`), binds
-both sockets (ipc paths that contain this process's pid), waits for "ready", then sends requests
+both sockets (ipc paths in a new 0700 directory that only this user can enter, removed at
+shutdown), waits for "ready", then sends requests
 and receives outputs as msgspec msgpack (serialization.py). Utility calls (stats, prefix-cache
 reset, integrity check) are request/response pairs matched by a call id. With data parallelism,
 DPEngineCoreClient (dp_client.py) holds one of these per replica.
@@ -20,13 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,6 +35,7 @@ import zmq.asyncio
 from kvtide.engine import serialization
 from kvtide.engine.messages import EngineCoreOutput
 from kvtide.engine.request import EngineCoreRequest
+from kvtide.private_files import private_dir, remove_private_dir, write_args_file
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineGenerateError(RuntimeError):
-    """One request failed inside the engine (the engine itself is fine)."""
+    """One request failed inside the engine (the engine itself is fine). `status`: the HTTP status
+    when the request itself was at fault (a grammar that does not compile: 400, or too slowly: 408)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineQueueFullError(RuntimeError):
@@ -101,21 +105,21 @@ class SpawnedEngineCore:
 
     proc: subprocess.Popen
     ipc_paths: tuple[str, str]
-    """(input, output) socket paths."""
+    """(input, output) socket paths, in a private directory of their own (_new_ipc_paths)."""
 
     def kill(self) -> None:
         """Stop the process when its client will never be made (a later start-up step failed)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for path in self.ipc_paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        remove_private_dir(os.path.dirname(self.ipc_paths[0]))
 
 
 def _new_ipc_paths() -> tuple[str, str]:
-    base = os.path.join(tempfile.gettempdir(), f"kvtide-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    return f"{base}-input.sock", f"{base}-output.sock"
+    """Socket paths in a new 0700 directory: in a shared /tmp, predictable names would let another
+    local user connect to the engine (and read prompts) or take a name first."""
+    directory = private_dir("kvtide-engine-")
+    return os.path.join(directory, "input.sock"), os.path.join(directory, "output.sock")
 
 
 def spawn_engine_core(engine_args: Any, *, dp_rank: int | None = None, cpu_threads: int | None = None,
@@ -123,12 +127,14 @@ def spawn_engine_core(engine_args: Any, *, dp_rank: int | None = None, cpu_threa
                       expert_group: tuple[str, int] | None = None,
                       ipc_paths: tuple[str, str] | None = None) -> SpawnedEngineCore:
     """Start `python -m kvtide.engine.core_proc` for `engine_args`; EngineCoreClient.start binds the
-    sockets it connects to (see there for the other arguments)."""
+    sockets it connects to (see there for the other arguments). The engine args (which may hold
+    secrets: a kv_secret, a Redis password) travel in a 0600 file next to the sockets that the
+    child reads and deletes, never on its command line."""
     input_path, output_path = ipc_paths or _new_ipc_paths()
-    args_json = json.dumps({k: v for k, v in asdict(engine_args).items()})
+    args_path = write_args_file(asdict(engine_args), os.path.dirname(input_path), prefix="engine-args-")
     command = [sys.executable, "-m", "kvtide.engine.core_proc", "--input", f"ipc://{input_path}",
                "--output", f"ipc://{output_path}", "--parent-pid", str(os.getpid()),
-               "--engine-args", args_json]
+               "--engine-args-file", args_path]
     if dp_rank is not None:
         command += ["--dp-rank", str(dp_rank)]
     if cpu_threads is not None:
@@ -137,7 +143,11 @@ def spawn_engine_core(engine_args: Any, *, dp_rank: int | None = None, cpu_threa
         command += ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)]
     if expert_group is not None:
         command += ["--expert-group", expert_group[0], "--data-parallel-size", str(expert_group[1])]
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
+    except BaseException:
+        remove_private_dir(os.path.dirname(input_path))
+        raise
     return SpawnedEngineCore(proc, (input_path, output_path))
 
 
@@ -197,6 +207,8 @@ class EngineCoreClient:
             context.destroy(linger=0)
             if spawned is not None:
                 spawned.kill()
+            else:
+                remove_private_dir(os.path.dirname(paths[0]))
             raise
         client = cls(spawned.proc, context, input_socket, output_socket, list(paths), engine_timeout_s)
         await client.wait_ready(startup_timeout_s)
@@ -259,9 +271,8 @@ class EngineCoreClient:
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._context.term()
-        for path in self._ipc_paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        if self._ipc_paths:  # a remote engine's (tcp) has none
+            remove_private_dir(os.path.dirname(self._ipc_paths[0]))
 
     def request_shutdown(self) -> None:
         """Ask the engine core to exit without waiting (shutdown() then waits): several replicas

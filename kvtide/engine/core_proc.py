@@ -1,6 +1,6 @@
 """The engine-core process: an EngineCore driven by messages from the API process over ZMQ.
 
-    python -m kvtide.engine.core_proc --input ADDR --output ADDR --parent-pid PID --engine-args JSON
+    python -m kvtide.engine.core_proc --input ADDR --output ADDR --parent-pid PID --engine-args-file PATH
         [--dp-rank R --cpu-affinity 0,1 --cpu-threads 2]    (a data-parallel replica, dp_client.py)
     python -m kvtide.engine.core_proc --handshake tcp://HEAD:PORT --dp-rank R --data-parallel-size N ...
         (a replica on a headless node: the head hands it its two addresses, dp_remote.py)
@@ -32,6 +32,7 @@ import zmq
 from kvtide.engine import serialization
 from kvtide.engine.core import EngineCore
 from kvtide.engine.request import RequestStatus
+from kvtide.private_files import read_args_file
 
 logger = logging.getLogger("kvtide.engine.core_proc")
 
@@ -230,9 +231,9 @@ def set_cpu_share(cpu_affinity: str | None, cpu_threads: int | None) -> None:
 
 
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int,
-                    remote: bool = False) -> int:
+                    remote: Any = None) -> int:
     """Build the engine core and serve it on the two addresses (tcp ones handed over by a remote
-    head when `remote`: then losing the head ends this process)."""
+    head when `remote`, dp_remote.join_head's grant: then losing the head ends this process)."""
     from kvtide.bootstrap import build_engine_core
     from kvtide.engine_args import EngineArgs
 
@@ -241,7 +242,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     if remote:
         from kvtide.engine.dp_remote import connect_data_sockets
 
-        input_socket, output_socket, head_watch = connect_data_sockets(context, input_addr, output_addr)
+        input_socket, output_socket, head_watch = connect_data_sockets(context, remote)
     else:
         input_socket = context.socket(zmq.PULL)
         input_socket.setsockopt(zmq.RCVHWM, 0)
@@ -304,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.distributed init method of the replicas' shared expert-parallel group "
                              "(with --dp-rank and --data-parallel-size)")
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--engine-args", required=True, help="EngineArgs fields as a JSON object")
+    parser.add_argument("--engine-args-file", default=None,
+                        help="a 0600 JSON file of EngineArgs fields, read and deleted at start: the args may "
+                             "hold secrets, which a command line shows to every local user")
+    parser.add_argument("--engine-args", default=None, help="EngineArgs fields as a JSON object (shown by ps)")
     parser.add_argument("--dp-rank", type=int, default=None, help="data-parallel replica index (log lines)")
     parser.add_argument("--cpu-affinity", default=None, help="CPUs this process may run on, e.g. 0,1")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    if (args.engine_args is None) == (args.engine_args_file is None):
+        parser.error("give one of --engine-args-file and --engine-args")
+    engine_args = json.loads(args.engine_args) if args.engine_args is not None \
+        else read_args_file(args.engine_args_file)
     if args.handshake is None and (args.input is None or args.output is None):
         parser.error("give --input and --output, or --handshake")
     if args.handshake is not None and (args.dp_rank is None or args.data_parallel_size is None):
@@ -327,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     set_cpu_share(args.cpu_affinity, args.cpu_threads)
     input_addr, output_addr, expert_group = args.input, args.output, args.expert_group
+    grant = None
     if args.handshake is not None:
         from kvtide.engine.dp_remote import join_head
 
         try:
-            input_addr, output_addr, expert_group = join_head(args.handshake, args.dp_rank,
-                                                              args.data_parallel_size, args.handshake_timeout)
-        except RuntimeError as e:
+            grant = join_head(args.handshake, args.dp_rank, args.data_parallel_size, args.handshake_timeout)
+            input_addr, output_addr, expert_group = grant.input_addr, grant.output_addr, grant.expert_group
+        except (RuntimeError, ValueError) as e:
             logger.error("%s", e)
             return 1
     if expert_group is not None:
@@ -342,11 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvtide.distributed import init_replica_expert_group
         from kvtide.engine.dp_client import uses_cuda
 
-        engine_args = json.loads(args.engine_args)
         backend = "nccl" if uses_cuda(engine_args.get("device", "auto")) else "gloo"
         init_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group, backend)
-    return run_engine_core(json.loads(args.engine_args), input_addr, output_addr, args.parent_pid,
-                           remote=args.handshake is not None)
+    return run_engine_core(engine_args, input_addr, output_addr, args.parent_pid, remote=grant)
 
 
 if __name__ == "__main__":

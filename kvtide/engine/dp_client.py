@@ -41,6 +41,7 @@ from kvtide.engine.core_client import (
     EngineDeadError,
     OutputsMessage,
 )
+from kvtide.engine.dp_auth import data_parallel_secret
 from kvtide.engine.dp_balancer import DEFAULT_LOAD_THRESHOLD, DPLoadBalancer
 from kvtide.engine.messages import SchedulerStats
 from kvtide.engine.request import EngineCoreRequest
@@ -81,6 +82,8 @@ def check_data_parallel_args(args: Any, headless: bool = False) -> None:
     elif start != 0:
         raise ValueError(f"data_parallel_start_rank={start} is for a headless node (--headless); the node "
                          f"that serves the API runs ranks 0 ..")
+    if headless or (local is not None and local < dp):  # ranks join over TCP: only with the secret
+        data_parallel_secret(args.data_parallel_address or "127.0.0.1")
 
 
 @dataclasses.dataclass

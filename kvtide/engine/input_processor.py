@@ -9,7 +9,9 @@ search the first is the root beam and the others are output slots for the n best
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +19,21 @@ from typing import Any
 from kvtide.engine.request import EngineCoreRequest
 from kvtide.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int] | Mapping[str, Any]
-
 
 @dataclass
 class ProcessedPrompt:
+    """A prompt already tokenized and validated (e.g. by the server, off its event loop): passed
+    back in, it is taken as it is."""
+
     prompt: str | None
     prompt_token_ids: list[int]
+
+
+PromptType = str | Sequence[int] | Mapping[str, Any] | ProcessedPrompt
+
+CHECKED_CONSTRAINTS_CACHE = 64
+"""Constraints remembered as parsed: a request's n prompts (or a client's repeated schema) are
+parsed once, and the server can parse one off its event loop before adding the request."""
 
 
 class InputProcessor:
@@ -34,9 +44,13 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.num_invalid_structured_outputs = 0
         """Requests refused for a schema, regex or grammar that does not parse (a metric)."""
+        self._checked_constraints: OrderedDict[tuple, None] = OrderedDict()
+        self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         text: str | None = None
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, Mapping):
@@ -113,11 +127,20 @@ class InputProcessor:
         if bad:
             raise ValueError(f"structured_outputs.reasoning_end_token_ids: token id {bad[0]} is out of range "
                              f"[0, {self.vocab_size})")
+        key = so.key()
+        with self._checked_lock:
+            if key in self._checked_constraints:
+                self._checked_constraints.move_to_end(key)
+                return
         try:
             build_grammar(so)
         except ValueError:
             self.num_invalid_structured_outputs += 1
             raise
+        with self._checked_lock:
+            self._checked_constraints[key] = None
+            while len(self._checked_constraints) > CHECKED_CONSTRAINTS_CACHE:
+                self._checked_constraints.popitem(last=False)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:

@@ -21,6 +21,9 @@ class EngineCoreOutput:
     error: str | None = None
     kv_transfer_params: dict | None = None
     """From a KV connector as the request ends (a prefill instance's handle on the staged prompt)."""
+    error_status: int | None = None
+    """With `error`: the HTTP status the server answers with when the request itself is at fault
+    (400: its grammar does not compile; 408: its grammar took too long); None: the engine's fault (500)."""
 
     @property
     def finished(self) -> bool:

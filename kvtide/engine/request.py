@@ -84,6 +84,8 @@ class Request:
         self.grammar = None
         """Structured output: its RequestGrammar (structured_output/grammar.py) once compiled."""
         self.grammar_error: str | None = None
+        self.grammar_error_status = 400
+        """The HTTP status of a grammar_error: 400 (the grammar is at fault), 408 (its compile timed out)."""
         self.unsent_token_ids: list[int] = []
         """Tokens appended here that the runner did not sample (jump-forward): sent with the next step."""
         max_tokens = self.sampling_params.max_tokens

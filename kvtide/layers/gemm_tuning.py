@@ -25,7 +25,7 @@ import torch
 from kvtide.attention.cpu_extension import available_isas, build_directory
 from kvtide.layers import layer_ops
 from kvtide.machine import last_level_cache_bytes, machine_info
-from kvtide.models.cache_dir import cache_root
+from kvtide.models.cache_dir import cache_root, private_cache_path
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ def cache_path(key: dict) -> str:
 
 def _load_file(path: str) -> dict:
     try:
+        private_cache_path(os.path.dirname(path))  # 0700 and ours, or an UnsafeCacheDirError
         with open(path) as f:
             content = json.load(f)
         return content if isinstance(content, dict) else {}
@@ -103,7 +104,7 @@ def _write_file(path: str, content: dict) -> None:
     """Written whole to a temporary file then renamed over the old one, so concurrent readers never
     see half a file (concurrent writers may drop each other's new entries; those are measured again
     next time)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    private_cache_path(os.path.dirname(path))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:

@@ -89,9 +89,9 @@ def make_random_checkpoint(path: str, architecture: str = "LlamaForCausalLM", se
 
 def demo_model_path() -> str:
     """The `demo` checkpoint, built on first use and cached under $KVTIDE_CACHE (~/.cache/kvtide)."""
-    from kvtide.models.cache_dir import build_cached_dir, cache_root
+    from kvtide.models.cache_dir import build_cached_dir, cache_dir
 
-    path = os.path.join(cache_root(), f"demo-{DEMO_VERSION}")
+    path = cache_dir(f"demo-{DEMO_VERSION}", create=False)  # checked before it is read
     if not os.path.exists(os.path.join(path, "kvtide_demo.json")):
 
         def build(tmp: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtide.models.cache_dir import build_cached_dir, cache_root
+from kvtide.models.cache_dir import build_cached_dir, cache_dir, private_cache_path
 
 MARKER = "kvtide_gguf.json"
 """File in a prepared directory naming the GGUF its weights come from."""
@@ -309,7 +309,7 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     stem = os.path.splitext(os.path.basename(path))[0]
-    target = os.path.join(cache_root(), "gguf", f"{stem}-{_cache_key(path)}")
+    target = cache_dir("gguf", f"{stem}-{_cache_key(path)}", create=False)  # checked before it is read
     if os.path.exists(os.path.join(target, MARKER)):
         if not tokenizer_override and not _read_marker(target).get("tokenizer", True):
             raise ValueError(f"GGUF file {path} has no tokenizer kvtide can read; pass --tokenizer DIR")
@@ -387,7 +387,7 @@ def export_hf_checkpoint(gguf_path: str, out_dir: str) -> str:
     export is kept."""
     from safetensors.torch import save_file
 
-    done = os.path.join(out_dir, "model.safetensors")
+    done = os.path.join(private_cache_path(out_dir, create=False), "model.safetensors")  # in the cache: checked
     if os.path.exists(done):
         return out_dir
     prepared = prepare_gguf_model_dir(gguf_path)

@@ -109,12 +109,11 @@ def _generation_handler(state: RouterState, path: str):
 
 
 async def _read_and_route(state: RouterState, request: Request, path: str, request_id: str) -> Response | None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_REQUEST_BODY:
-        return error_response(f"request body over {MAX_REQUEST_BODY} bytes", 413, code="body_too_large")
-    body = await request.body()
-    if len(body) > MAX_REQUEST_BODY:
-        return error_response(f"request body over {MAX_REQUEST_BODY} bytes", 413, code="body_too_large")
+    body = await read_body_within(request, MAX_REQUEST_BODY)
+    if body is None:
+        response = error_response(f"request body over {MAX_REQUEST_BODY} bytes", 413, code="body_too_large")
+        response.headers["connection"] = "close"  # the rest of the body stays unread
+        return response
     payload = _json_object(body)
     text = prompt_text(payload)
     headers = backend_headers(request, request_id, state.settings.backend_api_key)
@@ -133,6 +132,23 @@ async def _route(state: RouterState, path: str, body: bytes, headers: dict[str, 
     if isinstance(outcome, Failure):
         return outcome.response
     return await relay(state, outcome, request_id)
+
+
+async def read_body_within(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is known to exceed `limit` bytes: a declared
+    Content-Length before anything is read, else the bytes as they arrive (a chunked body), so a
+    huge body costs at most `limit` bytes of memory, never its own size."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

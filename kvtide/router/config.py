@@ -15,7 +15,8 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_CACHE_THRESHOLD = 0.5
 DEFAULT_BALANCE_THRESHOLD = 4
 MAX_REQUEST_BODY = 32 * 1024 * 1024
-"""Bytes the router buffers per request body (it reads the prompt to route it); larger gets 413."""
+"""Bytes the router buffers per request body (it reads the prompt to route it); larger gets 413 as
+soon as Content-Length says so or, for a chunked body, as soon as that many bytes have arrived."""
 
 
 @dataclass

@@ -398,7 +398,8 @@ class Scheduler:
     def _fail_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
         self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
-                                                       error=request.grammar_error))
+                                                       error=request.grammar_error,
+                                                       error_status=request.grammar_error_status))
         self._free_request(request)
 
     def has_compiling_requests(self) -> bool:

@@ -3,8 +3,9 @@
     run_server(engine_args, settings, host, port)
       1. AsyncLLM.from_engine_args: spawn the engine-core process (--data-parallel-size N: N of
          them, requests balanced between them), wait until it is ready
-      2. build_app: routes (openai/*, their WebSocket twins, the chat page ui/), exception
-         handlers, the guard middleware and, with --api-keys-file, the per-key quotas inside it
+      2. build_app: routes (openai/*, their WebSocket twins, the chat page ui/, /internal/* with
+         --admin-api-key), exception handlers, the admin-key gate, the guard middleware and, with
+         --api-keys-file, the per-key quotas inside it
       3. serve with uvicorn until one of:
            SIGTERM/SIGINT  -> drain: new requests 503, wait for those in flight (at most
                               --shutdown-timeout; then they end with an error), stop; exit 0
@@ -32,6 +33,7 @@ import kvtide
 from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import EngineDeadError, SpawnedEngineCore
 from kvtide.engine.dp_client import merge_stats
+from kvtide.server.admin import AdminGate
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -97,6 +99,26 @@ def build_app(state: ServerState) -> Any:
         s.metrics.record_invalid_structured_outputs(s.engine.input_processor.num_invalid_structured_outputs)
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
+    if state.settings.admin_api_key:
+        _add_internal_routes(app)
+    if state.settings.enable_admin_api:
+        _add_admin_routes(app)
+    if state.settings.enable_ui:
+        app.include_router(ui_router)
+    inner: Any = app
+    if state.settings.api_keys is not None:
+        # Inside the guard: draining, header and body limits come first; the guard checks the key
+        # only on the paths the quotas skip.
+        inner = QuotaMiddleware(app, state.settings.api_keys, registry=state.metrics.registry,
+                                exempt_paths=QUOTA_EXEMPT_PATHS)
+    # The admin key, when set, is checked before the guard: it alone opens the admin paths.
+    return AdminGate(ServerGuardMiddleware(inner, state), state.settings)
+
+
+def _add_internal_routes(app: FastAPI) -> None:
+    """Engine internals, for tests and debugging: only with --admin-api-key (404 otherwise), and
+    only for that key (server/admin.py)."""
+
     @app.get("/internal/stats")
     async def internal_stats(raw_request: Request) -> JSONResponse:
         """Engine-core SchedulerStats plus process facts (for tests and debugging). With data
@@ -118,22 +140,10 @@ def build_app(state: ServerState) -> Any:
         await get_state(raw_request).engine.check_integrity()
         return JSONResponse({"ok": True})
 
-    if state.settings.enable_admin_api:
-        _add_admin_routes(app)
-    if state.settings.enable_ui:
-        app.include_router(ui_router)
-    inner: Any = app
-    if state.settings.api_keys is not None:
-        # Inside the guard: draining, header and body limits come first; the guard checks the key
-        # only on the paths the quotas skip.
-        inner = QuotaMiddleware(app, state.settings.api_keys, registry=state.metrics.registry,
-                                exempt_paths=QUOTA_EXEMPT_PATHS)
-    return ServerGuardMiddleware(inner, state)
-
 
 def _add_admin_routes(app: FastAPI) -> None:
     """Routes that change server-wide state: only with --enable-admin-api (404 otherwise), and
-    behind --api-key like every other route."""
+    behind --admin-api-key when it is set, else behind --api-key like every other route."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw_request: Request) -> JSONResponse:

@@ -4,7 +4,8 @@
     kvtide serve path/to/model.Q4_K_M.gguf
     kvtide serve ./my-llama --served-model-name llama --api-key sk-... --max-model-len 4096
     kvtide serve ./my-llama --data-parallel-size 2     # two engine replicas, requests balanced
-    # Multi-node: ranks 0-1 and the API on the head (10.0.0.1), ranks 2-3 on a headless node
+    # Multi-node: ranks 0-1 and the API on the head (10.0.0.1), ranks 2-3 on a headless node,
+    # both with the same $KVTIDE_DP_SECRET (joins and the replicas' traffic are authenticated with it)
     kvtide serve ./my-llama --data-parallel-size 4 --data-parallel-size-local 2 --data-parallel-address 10.0.0.1
     kvtide serve ./my-llama --headless --data-parallel-size 4 --data-parallel-size-local 2
         --data-parallel-start-rank 2 --data-parallel-address 10.0.0.1
@@ -65,10 +66,32 @@ def register(subparsers) -> None:
                         "and max_concurrent limits (format above); over a limit: 429 with Retry-After. "
                         "With --api-key too, a request passes with either, and --api-key's key has no "
                         "limits. Checked before the model loads")
+    p.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
+                   help="web pages (scheme://host[:port], a JSON list or several values; '*' for any) that "
+                        "may open a WebSocket besides same-origin and loopback pages (the default); others "
+                        "get 403. Browsers only: clients that send no Origin are not checked")
+    p.add_argument("--allowed-hosts", nargs="+", action="extend", default=None, metavar="HOST",
+                   help="Host header names (no port; '*.example.com' for subdomains; '*' for any) the server "
+                        "answers; others get 400 (against DNS rebinding). Default: bound to a loopback "
+                        "address, localhost, 127.0.0.1 and [::1] only; otherwise any")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: MODEL)")
     p.add_argument("--chat-template", default=None,
                    help="chat template file or Jinja string overriding the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat request's own chat_template (400 without this flag: a template is code "
+                        "the server runs); it renders sandboxed, within --render-timeout and an output cap")
+    p.add_argument("--render-timeout", type=float, default=limits.DEFAULT_RENDER_TIMEOUT_S,
+                   help="seconds a chat template may render (400 past it) and a prompt may wait for the "
+                        "tokenizer (503), both off the event loop")
+    p.add_argument("--max-prompts-per-request", type=int, default=limits.DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="completions one /v1/completions request may ask for, prompts x n (400 past it)")
+    p.add_argument("--max-tools-per-request", type=int, default=limits.DEFAULT_MAX_TOOLS,
+                   help="tools per chat request (400 past it): each is rendered into the prompt and, for a "
+                        "named or \"required\" tool_choice, compiled into the output grammar")
+    p.add_argument("--max-tools-bytes", default=str(limits.DEFAULT_MAX_TOOLS_BYTES),
+                   help="JSON bytes of a request's tool definitions together, or with a unit ('128KiB'); "
+                        "400 past it")
     p.add_argument("--max-request-body", default=str(DEFAULT_MAX_REQUEST_BODY),
                    help="largest request body in bytes or with a unit ('4MiB'); larger gets 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -80,7 +103,11 @@ def register(subparsers) -> None:
                         "exits; must exceed the longest step; 0 disables")
     p.add_argument("--enable-admin-api", action="store_true",
                    help="serve admin routes (POST /reset_prefix_cache); without it they are 404. "
-                        "They need the API key like every route: set --api-key too")
+                        "They need --admin-api-key's key when it is set, else the API key like every route")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the key of the admin routes and of /internal/* (engine stats and integrity "
+                        "checks, 404 without this key); no client key (--api-key, --api-keys-file) opens "
+                        "them unless it is this one (default: $KVTIDE_ADMIN_API_KEY)")
     p.add_argument("--no-ui", dest="enable_ui", action="store_false",
                    help="do not serve the chat page at GET / (then 404 like any unknown route); the page "
                         "loads without --api-key's key and asks for it before calling the API")
@@ -96,7 +123,8 @@ def register(subparsers) -> None:
     p.add_argument("--headless", action="store_true",
                    help="serve no API: run this node's data-parallel replicas (--data-parallel-size-local "
                         "of them, from --data-parallel-start-rank) for the head at --data-parallel-address / "
-                        "--data-parallel-rpc-port; exits when the head shuts them down or goes away")
+                        "--data-parallel-rpc-port (with the head's $KVTIDE_DP_SECRET); exits when the head "
+                        "shuts them down or goes away")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
@@ -121,7 +149,15 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     api_key = args.api_key or os.environ.get("KVTIDE_API_KEY") or None
     api_keys = _load_api_keys(args.api_keys_file, api_key)
+    admin_api_key = args.admin_api_key or os.environ.get("KVTIDE_ADMIN_API_KEY") or None
+    if admin_api_key is not None and api_keys is not None and api_keys.lookup(admin_api_key) is not None \
+            and admin_api_key != api_key:
+        raise ValueError(f"--admin-api-key is a key of --api-keys-file {args.api_keys_file}: its holder "
+                         f"would be an admin; give the admin a key of its own")
     chat_template = read_chat_template(args.chat_template)
+    request_limits = _request_limits(args, max_body)
+    limits.activate(request_limits)
+    allowed_origins, allowed_hosts = _browser_flags(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
@@ -133,16 +169,18 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvtide.server.state import ServerSettings
 
         settings = ServerSettings(served_model_names=args.served_model_name or [model], api_key=api_key,
-                                  api_keys=api_keys, chat_template=chat_template,
+                                  api_keys=api_keys, chat_template=chat_template, request_limits=request_limits,
                                   max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
                                   engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
+                                  admin_api_key=admin_api_key,
                                   enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                                  allowed_origins=allowed_origins, allowed_hosts=allowed_hosts)
     except BaseException:
         if spawned is not None:
             spawned.kill()
         raise
-    if settings.enable_admin_api and settings.api_key is None:
+    if settings.enable_admin_api and settings.api_key is None and settings.admin_api_key is None:
         logging.getLogger("kvtide.server").warning(
             "--enable-admin-api without --api-key: anyone who reaches this port can reset the prefix cache")
     exit_code = run_server(engine_args, settings, args.host, args.port, args.log_level, spawned)
@@ -163,6 +201,20 @@ def _run_headless(engine_args: EngineArgs, log_level: str) -> int:
     return run_headless(engine_args)
 
 
+def _request_limits(args: argparse.Namespace, max_body: int) -> limits.RequestLimits:
+    if args.render_timeout <= 0:
+        raise ValueError("--render-timeout must be > 0")
+    for flag, value in (("--max-prompts-per-request", args.max_prompts_per_request),
+                        ("--max-tools-per-request", args.max_tools_per_request)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    return limits.RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
+                                max_tools=args.max_tools_per_request,
+                                max_tools_bytes=parse_size(args.max_tools_bytes, "--max-tools-bytes"),
+                                max_request_body=max_body, render_timeout_s=args.render_timeout,
+                                trust_request_chat_template=args.trust_request_chat_template)
+
+
 API_KEY_NAME = "--api-key"
 """key_name of --api-key's key in the quota metrics when --api-keys-file is given too."""
 
@@ -181,6 +233,21 @@ def _load_api_keys(path: str | None, api_key: str | None) -> ApiKeys | None:
     if API_KEY_NAME in api_keys.names:
         raise ValueError(f"--api-keys-file {path}: the name {API_KEY_NAME!r} is reserved for --api-key's key")
     return api_keys.with_key(api_key, API_KEY_NAME)
+
+
+def _browser_flags(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """--allowed-origins and --allowed-hosts, checked; the hosts default to loopback names when
+    the server binds a loopback address."""
+    from kvtide.server.browser_policy import ANY, default_allowed_hosts, normalize_origin, parse_list_flag
+
+    try:
+        origins = [normalize_origin(o) for o in parse_list_flag(args.allowed_origins)]
+        hosts = parse_list_flag(args.allowed_hosts)
+    except ValueError as e:
+        raise ValueError(f"--allowed-origins/--allowed-hosts: {e}") from None
+    if args.allowed_hosts is None:
+        return origins, default_allowed_hosts(args.host)
+    return origins, None if ANY in hosts else hosts
 
 
 def _check_port_free(host: str, port: int) -> None:

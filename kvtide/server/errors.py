@@ -26,7 +26,7 @@ RETRY_AFTER_S = 1
 """Retry-After (seconds) sent with 429 and 503."""
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
           503: "service_unavailable"}
 
@@ -87,6 +87,9 @@ def from_engine_error(error: BaseException) -> OpenAIError:
     if isinstance(error, EngineDeadError):
         return OpenAIError(f"engine is dead: {error}", 503, code="engine_dead")
     if isinstance(error, EngineGenerateError):
+        if error.status is not None:  # the request was at fault (its grammar), not the engine
+            return OpenAIError(str(error), error.status, "structured_outputs",
+                               "grammar_compile_timeout" if error.status == 408 else "invalid_grammar")
         return OpenAIError(f"request failed in the engine: {error}", 500, code="engine_error")
     if isinstance(error, ValueError):
         return from_value_error(error)

@@ -117,6 +117,9 @@ class ServerMetrics:
             registry=r)
         self.kv_connector_corrupt_entries = counter(
             "kv_connector_corrupt_entries", "Tier entries found truncated, corrupted or foreign (recomputed).")
+        self.kv_connector_rejected_entries = counter(
+            "kv_connector_rejected_entries",
+            "Tier entries not signed with the deployment's KV secret: unsigned or forged (recomputed).")
         self.kv_connector_transfer_failures = counter(
             "kv_connector_transfer_failures", "p2p pulls that failed or timed out (the prompt was computed).")
         self.kv_connector_staged_requests = counter(
@@ -313,6 +316,7 @@ class ServerMetrics:
                 if gained > 0:
                     family.labels(tier=tier, **self._labels).inc(gained)
         for counter, key in ((self.kv_connector_corrupt_entries, "corrupt_entries"),
+                             (self.kv_connector_rejected_entries, "rejected_entries"),
                              (self.kv_connector_transfer_failures, "transfer_failures"),
                              (self.kv_connector_staged_requests, "staged_requests")):
             gained = new[key] - old.get(key, 0)

@@ -29,7 +29,15 @@ for the concurrency limit). The errors are OpenAI's error object (code "rate_lim
 "invalid_api_key"). A refused WebSocket is accepted, sent that error as one text message (with
 "retry_after" in it) and closed: 1008 for the key, 1013 (try again later) for a limit.
 
-Tokens charged (prompt + completion), read from what the app sends, without delaying it:
+Tokens charged (prompt + completion), from the engine's own counts where the app reports them:
+the middleware puts a UsageCharge in the scope (CHARGE_SCOPE_KEY) and kvtide's serving code calls
+`charge_tokens` with the prompt's tokens when it queues the request and `charged_outputs` charges
+each output's new tokens as the engine yields them, streamed or not, over HTTP or a WebSocket. A
+long prompt is therefore charged before its first token comes back, and the next request of an
+exhausted key is refused even while this one still streams.
+
+An app that reports nothing (e.g. the router, which only relays responses) is charged from what
+it sends, without delaying it:
 - an `application/json` response: its `usage` object (a copy of the body is kept, up to 16 MiB);
 - a `text/event-stream` response or WebSocket text messages: the last `usage` object among the
   `data: {...}` events; a stream without one (no stream_options.include_usage) is charged one
@@ -51,7 +59,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +67,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from kvtide.server.errors import OpenAIError
 from kvtide.server.middleware import (
+    ADMIN_SCOPE_KEY,
     WS_CLOSE_POLICY,
     WS_CLOSE_TRY_AGAIN_LATER,
     Message,
@@ -79,6 +88,8 @@ UNKNOWN_KEY_NAME = "unknown"
 """key_name of requests refused with 401."""
 MAX_JSON_COPY_BYTES = 16 * 1024 * 1024
 """A JSON response larger than this is not parsed for usage (charged 0 tokens)."""
+CHARGE_SCOPE_KEY = "kvtide.quota_charge"
+"""The scope key under which QuotaMiddleware hands the app its request's UsageCharge."""
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 _FIELDS = ("key", "name", *LIMIT_FIELDS)
 
@@ -386,6 +397,54 @@ def _usage_tokens(usage: dict[str, Any]) -> int:
     return total
 
 
+# ---- charges reported by the app -------------------------------------------------------------------
+class UsageCharge:
+    """Charges one admitted request's tokens to its key as the app reports them (the engine's
+    counts); `reported` tells the middleware not to count the response as well."""
+
+    def __init__(self, charge: Callable[[int], None]) -> None:
+        self._charge = charge
+        self.reported = False
+
+    def __call__(self, tokens: int) -> None:
+        self.reported = True
+        if tokens > 0:
+            self._charge(tokens)
+
+
+def _charge_of(request: Any) -> UsageCharge | None:
+    scope = getattr(request, "scope", request)
+    return scope.get(CHARGE_SCOPE_KEY) if isinstance(scope, dict) else None
+
+
+def charge_tokens(request: Any, tokens: int) -> None:
+    """Charge `tokens` to the key of `request` (a Starlette Request or an ASGI scope); nothing
+    without quotas."""
+    charge = _charge_of(request)
+    if charge is not None:
+        charge(tokens)
+
+
+def charged_outputs(request: Any, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """`outputs` ((index, RequestOutput) pairs, as merge_streams yields them), each output's new
+    completion tokens charged to the key of `request` as it passes; `outputs` itself without quotas."""
+    charge = _charge_of(request)
+    if charge is None:
+        return outputs
+    return _charging(charge, outputs)
+
+
+async def _charging(charge: UsageCharge, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    try:
+        async for index, output in outputs:
+            charge(sum(len(completion.token_ids) for completion in output.outputs))
+            yield index, output
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()  # leaving early closes the engine streams, which aborts their requests
+
+
 # ---- the middleware --------------------------------------------------------------------------------
 class QuotaMetrics:
     def __init__(self, registry: CollectorRegistry | None, names: Iterable[str]) -> None:
@@ -416,7 +475,8 @@ class QuotaMiddleware:
         self.metrics = QuotaMetrics(registry, api_keys.names)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.exempt_paths:
+        if (scope["type"] not in ("http", "websocket") or scope["path"] in self.exempt_paths
+                or scope.get(ADMIN_SCOPE_KEY)):  # the admin key, checked by kvtide serve's AdminGate
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
@@ -437,20 +497,28 @@ class QuotaMiddleware:
         inflight = self.metrics.inflight.labels(key_name=entry.name)
         inflight.inc()
         counter = TokenCounter()
+        tokens_metric = self.metrics.tokens.labels(key_name=entry.name)
+
+        def charge(tokens: int) -> None:
+            self.tracker.charge(entry, tokens)
+            tokens_metric.inc(tokens)
+
+        reported = UsageCharge(charge)
 
         async def counting_send(message: Message) -> None:
-            counter.observe(message)
+            if not reported.reported:
+                counter.observe(message)
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app({**scope, CHARGE_SCOPE_KEY: reported}, receive, counting_send)
         finally:
             self.tracker.release(entry)
             inflight.dec()
-            tokens = counter.total()
-            self.tracker.charge(entry, tokens)
-            if tokens > 0:
-                self.metrics.tokens.labels(key_name=entry.name).inc(tokens)
+            if not reported.reported:
+                tokens = counter.total()
+                if tokens > 0:
+                    charge(tokens)
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, error: OpenAIError, ws_close_code: int) -> None:

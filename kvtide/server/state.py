@@ -12,7 +12,7 @@ from fastapi import Request
 from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
-from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
+from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
 from kvtide.server.output_parsers import OutputParsers
 
@@ -40,6 +40,8 @@ class ServerSettings:
     """Watchdog: an engine core silent this many seconds is declared dead (0: never)."""
     enable_admin_api: bool = False
     """Serve the admin routes (POST /reset_prefix_cache); off, they are 404. --api-key still applies."""
+    admin_api_key: str | None = None
+    """--admin-api-key: the only key of /internal/* (404 without one) and, when set, of the admin routes."""
     enable_ui: bool = True
     """Serve the chat page at GET / (open without the API key: it holds no secret); off, / is 404."""
     enable_auto_tool_choice: bool = False
@@ -48,6 +50,13 @@ class ServerSettings:
     """The model's tool-call format (kvtide.tool_parsers), for tool_choice "auto"."""
     reasoning_parser: str | None = None
     """The model's reasoning convention (kvtide.reasoning): responses get reasoning_content."""
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    """Per-request work limits the flags set (server/limits.py); the rest are constants there."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """--allowed-origins: pages that may open a WebSocket besides same-origin and loopback ones
+    ("*": any); see server/browser_policy.py."""
+    allowed_hosts: list[str] | None = None
+    """Host header names accepted (None: any); `kvtide serve` bound to loopback: loopback names."""
 
 
 @dataclass
@@ -69,6 +78,10 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.settings.request_limits
 
     @property
     def max_model_len(self) -> int:

@@ -8,21 +8,24 @@ import json
 from kvtide.sampling_params import StructuredOutputsParams
 
 
-def build_grammar(params: StructuredOutputsParams):
-    """The xgrammar Grammar of a constraint; ValueError naming the field and xgrammar's reason."""
+def build_grammar(params: StructuredOutputsParams, max_whitespace_cnt: int | None = None):
+    """The xgrammar Grammar of a constraint; ValueError naming the field and xgrammar's reason.
+    `max_whitespace_cnt` bounds each run of optional whitespace in JSON (None: unbounded)."""
     import xgrammar as xgr
 
     kind = params.kind
+    whitespace = {"any_whitespace": not params.disable_any_whitespace}
+    if not params.disable_any_whitespace and max_whitespace_cnt is not None:
+        whitespace["max_whitespace_cnt"] = max_whitespace_cnt
     try:
         if kind == "json":
             # strict mode: objects take no properties the schema does not name (unless it allows them)
             # the schema as given (its key order is the output's order), not the sorted cache key
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             schema = _bounded_strings_as_patterns(schema)
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
-                                                strict_mode=True)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **whitespace)
         if kind == "json_object":  # any object (xgrammar's builtin JSON grammar admits any value)
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', **whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -33,7 +36,7 @@ def build_grammar(params: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf(params.grammar)
         return xgr.Grammar.from_structural_tag(params.structural_tag)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"structured_outputs.{kind}: {_reason(e)}") from e
+        raise ValueError(f"structured_outputs.{kind}: {error_reason(e)}") from e
 
 
 def _bounded_strings_as_patterns(schema):
@@ -55,7 +58,7 @@ def _bounded_strings_as_patterns(schema):
     return schema
 
 
-def _reason(error: Exception) -> str:
+def error_reason(error: Exception) -> str:
     """xgrammar's message without its '[time] /project/cpp/file.cc:123: ' prefix."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if text.startswith("[") and ": " in text:

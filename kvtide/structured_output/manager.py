@@ -1,28 +1,35 @@
 """StructuredOutputManager: compiles grammars off the engine loop and hands each constrained
 request its matcher once its grammar is ready.
 
-Compilation runs on one worker thread (xgrammar compiles with its own threads inside), so the
-engine keeps stepping other requests while a new schema compiles; the scheduler leaves a request
-in the waiting queue, not the batch, until its grammar is ready. Compiled grammars are cached by
-(constraint, options): the tokenizer is fixed per engine, so that is the whole key. The tokenizer
-and xgrammar's view of its vocabulary are built on first use, on the same worker.
+Compilation runs in separate processes (compile_pool.py), each compile under a time and a memory
+limit, so the engine keeps stepping other requests while a new grammar compiles and a huge one
+fails alone; the scheduler leaves a request in the waiting queue, not the batch, until its grammar
+is ready. A compile nobody waits for any more (all its requests aborted) is cancelled. Compiled
+grammars are cached by (constraint, options), least recently used dropped first once they hold
+more than `cache_bytes`: the tokenizer is fixed per engine, so that is the whole key. The tokenizer
+and xgrammar's view of its vocabulary are built on first use, on the pool's thread.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtide.sampling_params import StructuredOutputsParams
-from kvtide.structured_output.grammars import build_grammar
+from kvtide.structured_output.compile_pool import CompilePool
 
-CACHE_SIZE = 1024
-"""Compiled grammars kept (least recently used dropped first)."""
+if TYPE_CHECKING:
+    from kvtide.config import StructuredOutputsConfig
+
+
+@dataclass
+class _CacheEntry:
+    future: Future
+    size: int = 0
+    """The compiled grammar's bytes (xgrammar's memory_size_bytes); 0 while compiling."""
 
 
 @dataclass
@@ -34,6 +41,11 @@ class StructuredOutputStats:
     num_cache_hits: int = 0
     num_compiled: int = 0
     num_compile_errors: int = 0
+    num_compile_timeouts: int = 0
+    num_compiles_cancelled: int = 0
+    """Compiles stopped because every request waiting for them was aborted."""
+    cache_bytes: int = 0
+    """Bytes of compiled grammars in the cache."""
     num_jump_forward_tokens: int = 0
     compile_seconds: deque = field(default_factory=lambda: deque(maxlen=1024))
     """(compilation number, seconds), the last 1024."""
@@ -45,16 +57,26 @@ class StructuredOutputStats:
 
 
 class StructuredOutputManager:
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, enable_jump_forward: bool = True) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, enable_jump_forward: bool = True,
+                 config: StructuredOutputsConfig | None = None) -> None:
+        if config is None:
+            from kvtide.config import StructuredOutputsConfig
+
+            config = StructuredOutputsConfig()
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.enable_jump_forward = enable_jump_forward
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtide-grammar")
-        self._compiler = None
+        self.cache_bytes = int(config.cache_bytes)
         self._utf8_guard = None
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, _CacheEntry] = OrderedDict()
+        self._cached_bytes = 0
+        self._waiters: dict[Future, set[str]] = {}
+        """A compile in progress -> the requests waiting for it (it is cancelled when none is left)."""
         self._lock = threading.Lock()
         self.stats = StructuredOutputStats()
+        self.pool = CompilePool(self._tokenizer_info, workers=config.compile_workers,
+                                timeout_s=config.compile_timeout_s, memory_limit=int(config.compile_memory_limit),
+                                max_whitespace_cnt=config.max_whitespace_cnt, on_result=self._record)
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(self, request) -> None:
@@ -65,16 +87,42 @@ class StructuredOutputManager:
         self.stats.num_constrained_requests += 1
         key = params.key()
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
                 self.stats.num_cache_hits += 1
+                new = False
             else:
-                future = self._pool.submit(self._compile, params)
-                self._cache[key] = future
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                entry = self._cache[key] = _CacheEntry(self.pool.submit(params))
+                new = True
+            future = entry.future
+            if not future.done():
+                self._waiters.setdefault(future, set()).add(request.request_id)
+        if new:
+            future.add_done_callback(lambda done: self._compiled(key, done))
         request.grammar_future = future
+
+    def remove_request(self, request) -> None:
+        """The request ended (aborted) before its grammar was ready: when no other request waits
+        for that compile, cancel it (its process is stopped, or the queued job dropped)."""
+        future = request.grammar_future
+        if future is None:
+            return
+        request.grammar_future = None
+        with self._lock:
+            waiters = self._waiters.get(future)
+            if waiters is None or future.done():
+                return
+            waiters.discard(request.request_id)
+            if waiters:
+                return
+            del self._waiters[future]
+            key = request.sampling_params.structured_outputs.key()
+            entry = self._cache.get(key)
+            if entry is not None and entry.future is future:
+                del self._cache[key]
+            self.stats.num_compiles_cancelled += 1
+        self.pool.cancel(future)
 
     def make_ready(self, request) -> None:
         """Give a request its matcher now, waiting for the compilation if need be: a fork of a
@@ -94,10 +142,9 @@ class StructuredOutputManager:
         request.grammar_future = None
         try:
             compiled = future.result()
-        except Exception as e:  # a constraint the frontend's parse let through
-            request.grammar_error = f"cannot compile the structured output grammar: {e}"
-            with self._lock:
-                self._cache.pop(request.sampling_params.structured_outputs.key(), None)
+        except (Exception, CancelledError) as e:  # CompileError: a constraint the frontend's parse let through
+            request.grammar_error = str(e) or "the structured output grammar compile was cancelled"
+            request.grammar_error_status = getattr(e, "status", 400)
             return True
         from kvtide.structured_output.grammar import RequestGrammar
 
@@ -109,9 +156,41 @@ class StructuredOutputManager:
     def wait_for_compilation(self, timeout: float) -> None:
         """Block up to `timeout` s for a pending compilation (the engine has nothing else to run)."""
         with self._lock:
-            pending = [f for f in self._cache.values() if not f.done()]
+            pending = [e.future for e in self._cache.values() if not e.future.done()]
         if pending:
             wait(pending, timeout, FIRST_COMPLETED)
+
+    # ---- the cache -----------------------------------------------------------------------------
+    def _compiled(self, key: tuple, future: Future) -> None:
+        """A compile ended (on the pool's thread): count its bytes into the cache, dropping the
+        least recently used grammars past cache_bytes; a failed or cancelled one leaves the cache."""
+        with self._lock:
+            self._waiters.pop(future, None)
+            entry = self._cache.get(key)
+            if entry is None or entry.future is not future:
+                return
+            if future.cancelled() or future.exception() is not None:
+                del self._cache[key]
+                return
+            entry.size = max(1, int(future.result().memory_size_bytes))
+            self._cached_bytes += entry.size
+            for old_key in list(self._cache):
+                if self._cached_bytes <= self.cache_bytes:
+                    break
+                old = self._cache[old_key]
+                if old.size:  # compiling ones hold no bytes yet
+                    del self._cache[old_key]
+                    self._cached_bytes -= old.size
+            self.stats.cache_bytes = self._cached_bytes
+
+    def _record(self, seconds: float | None, timed_out: bool = False) -> None:
+        """The pool's report of each compile: its time, or that it failed."""
+        if seconds is None:
+            self.stats.num_compile_errors += 1
+            self.stats.num_compile_timeouts += timed_out
+            return
+        self.stats.num_compiled += 1
+        self.stats.compile_seconds.append((self.stats.num_compiled, seconds))
 
     # ---- per step ------------------------------------------------------------------------------
     def grammar_step(self, sampling_requests: list):
@@ -133,28 +212,17 @@ class StructuredOutputManager:
         params = request.sampling_params
         return self.enable_jump_forward and params.logprobs is None and not params.use_beam_search
 
-    # ---- the worker ----------------------------------------------------------------------------
-    def _compile(self, params: StructuredOutputsParams):
-        start = time.perf_counter()
-        try:
-            compiled = self._get_compiler().compile_grammar(build_grammar(params))
-        except Exception:
-            self.stats.num_compile_errors += 1
-            raise
-        self.stats.num_compiled += 1
-        self.stats.compile_seconds.append((self.stats.num_compiled, time.perf_counter() - start))
-        return compiled
+    # ---- the compiler's vocabulary ---------------------------------------------------------------
+    def _tokenizer_info(self):
+        """xgrammar's view of the vocabulary (built once, on the pool's thread at the first compile),
+        and the Utf8Guard that goes with it."""
+        import xgrammar as xgr
 
-    def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+        from kvtide.structured_output.utf8_guard import Utf8Guard
 
-            from kvtide.structured_output.utf8_guard import Utf8Guard
-
-            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
-            self._utf8_guard = Utf8Guard(info.decoded_vocab, self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+        info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+        self._utf8_guard = Utf8Guard(info.decoded_vocab, self.vocab_size)
+        return info
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()

@@ -24,6 +24,7 @@ from kvtide.layers.cpu_gemm import prepack_weights
 from kvtide.layers.cpu_ops import use_cpu_ops
 from kvtide.layers.fused_decode import fusable_linears, use_fused_decode
 from kvtide.layers.quantization import weight_bytes
+from kvtide.models.cache_dir import check_triton_cache
 from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata
 from kvtide.sampling.ops import compute_top_logprobs
@@ -89,6 +90,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         if self.device.type == "cpu":
             _prebuild_cpu_kernels(config.device_config.attention_backend == "cpu", mc.quant_config is not None)
+        elif self.device.type == "cuda":  # Triton loads the kernels it compiled from its cache: ours alone, or refused
+            check_triton_cache()
         self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device),
                                 mc.quant_config)
         self.vocab_size = mc.hf_config.vocab_size

@@ -15,15 +15,12 @@ the engine reports itself dead.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +30,7 @@ import zmq
 from kvtide.config import EngineConfig
 from kvtide.distributed import COMM_STATS, destroy_distributed
 from kvtide.engine import serialization
+from kvtide.private_files import private_dir, remove_private_dir, write_args_file
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.worker import wire
 from kvtide.worker.worker import free_port, init_rank, output_rank, threads_per_rank
@@ -58,18 +56,21 @@ class MultiprocExecutor:
         self._threads_before = torch.get_num_threads()
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._ctx = zmq.Context()
-        base = os.path.join(tempfile.gettempdir(), f"kvtide-workers-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        # Sockets and the workers' args files in a directory only this user can enter (the args may
+        # hold secrets: they never go on a command line).
+        self._private_dir = private_dir("kvtide-workers-")
+        base = os.path.join(self._private_dir, "w")
         self._inboxes: list[zmq.Socket] = []
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(f"ipc://{base}-out")
         self.workers: list[subprocess.Popen] = []
-        args_json = json.dumps(engine_args)
         for rank in range(1, world):
             inbox = self._ctx.socket(zmq.PUSH)
             inbox.bind(f"ipc://{base}-in{rank}")
             self._inboxes.append(inbox)
             self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "kvtide.worker.worker", "--engine-args", args_json, "--model-dir", model_dir,
+                [sys.executable, "-m", "kvtide.worker.worker", "--engine-args-file",
+                 write_args_file(engine_args, self._private_dir), "--model-dir", model_dir,
                  "--rank", str(rank), "--init-method", init_method, "--input", f"ipc://{base}-in{rank}",
                  "--output", f"ipc://{base}-out", "--parent-pid", str(os.getpid())]))
         self._threads = threads_per_rank(config)
@@ -173,6 +174,7 @@ class MultiprocExecutor:
                 proc.wait(timeout=5)
         self.workers = []
         self._ctx.destroy(linger=0)
+        remove_private_dir(self._private_dir)
         destroy_distributed()
         torch.set_num_threads(self._threads_before)
         if self._affinity_before is not None:

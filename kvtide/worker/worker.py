@@ -165,10 +165,12 @@ def run_worker_process(engine_args: dict[str, Any], model_dir: str, rank: int, i
 
 def main() -> None:
     import argparse
-    import json
+
+    from kvtide.private_files import read_args_file
 
     parser = argparse.ArgumentParser(description="one worker rank of a kvtide replica (started by the engine)")
-    parser.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    parser.add_argument("--engine-args-file", required=True,
+                        help="a 0600 JSON file of EngineArgs, read and deleted at start (secrets stay off argv)")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--init-method", required=True)
@@ -176,7 +178,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     ns = parser.parse_args()
-    run_worker_process(json.loads(ns.engine_args), ns.model_dir, ns.rank, ns.init_method, ns.input, ns.output,
+    run_worker_process(read_args_file(ns.engine_args_file), ns.model_dir, ns.rank, ns.init_method, ns.input, ns.output,
                        ns.parent_pid)
 
 

@@ -1,7 +1,9 @@
-"""A real redis-server per session, on 127.0.0.1 at a free port, in a temporary directory."""
+"""A real redis-server per session, on 127.0.0.1 at a free port, in a temporary directory; and the
+deployment KV secret its entries are signed with ($KVTIDE_KV_SECRET, unless the caller set one)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -34,7 +36,12 @@ def redis_url(tmp_path_factory):
                 raise
             time.sleep(0.05)
     client.close()
+    secret_set = "KVTIDE_KV_SECRET" not in os.environ
+    if secret_set:
+        os.environ["KVTIDE_KV_SECRET"] = "disagg-tests-kv-secret"
     yield url
+    if secret_set:
+        os.environ.pop("KVTIDE_KV_SECRET", None)
     proc.terminate()
     try:
         proc.wait(10)

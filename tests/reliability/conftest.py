@@ -7,6 +7,7 @@ checkpoint) to compare the server's greedy outputs with.
     fault_server     KVTIDE_FAULT_INJECT: NaN logits for prompts holding token 257, raise on 258
     watchdog_server  --engine-timeout 2 (its engine core gets SIGSTOP)
     sigterm_server   --shutdown-timeout 1 and a slowed forward pass (SIGTERM under load)
+    hostile_server   vocab-512 Llama, 4 MiB bodies, --trust-request-chat-template, --render-timeout 1
 
 Every server is stopped in a finally; an engine core that outlives its server is killed and fails
 the test that owned it.
@@ -40,6 +41,8 @@ SERVERS = {
     "watchdog_server": dict(args=["--max-model-len", "512", "--max-num-seqs", "8", "--engine-timeout", "2"]),
     "sigterm_server": dict(args=["--max-model-len", "512", "--max-num-seqs", "8", "--shutdown-timeout", "1"],
                            env={"KVTIDE_FAULT_INJECT": "sleep_s=0.02"}),
+    "hostile_server": dict(args=["--max-model-len", "512", "--max-num-seqs", "16", "--max-request-body", "4MiB",
+                                 "--trust-request-chat-template", "--render-timeout", "1"], vocab=FUZZ_VOCAB),
 }
 
 
@@ -92,6 +95,12 @@ def watchdog_server(_rel_servers):
 @pytest.fixture(scope="session")
 def sigterm_server(_rel_servers):
     return _server(_rel_servers, "sigterm_server")
+
+
+@pytest.fixture(scope="session")
+def hostile_server(_rel_servers):
+    """The default 4 MiB body limit (hostile bodies get past it) and --trust-request-chat-template."""
+    return _server(_rel_servers, "hostile_server")
 
 
 class OfflineReference:

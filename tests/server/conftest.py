@@ -23,7 +23,7 @@ SERVER_FLAGS = {
     "small_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "1", "--max-waiting-requests", "1"],
     # Tool calling and reasoning output (tests/server/test_tool_calling.py, test_reasoning_api.py).
     "tools_server": ["--max-num-seqs", "16", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                     "--reasoning-parser", "deepseek_r1"],
+                     "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template"],
 }
 
 

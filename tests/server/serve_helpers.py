@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import httpx
 
 API_KEY = "test-key-123"
+ADMIN_KEY = "test-admin-key-456"
+"""--admin-api-key of servers started without an API key (with one, the admin key is the API key,
+so that tests call /internal/* with the headers they use for everything else)."""
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 1024
 MAX_REQUEST_BODY = 64 * 1024
@@ -55,6 +58,7 @@ class ServerHandle:
     api_key: str | None
     log_path: str
     engine_pid: int | None = None
+    admin_key: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -63,6 +67,11 @@ class ServerHandle:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """For /internal/* (and the admin routes): the admin key."""
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -76,7 +85,7 @@ class ServerHandle:
             return f.read()
 
     def stats(self) -> dict:
-        r = httpx.get(self.url("/internal/stats"), headers=self.headers, timeout=30.0)
+        r = httpx.get(self.url("/internal/stats"), headers=self.admin_headers, timeout=30.0)
         r.raise_for_status()
         return r.json()
 
@@ -99,9 +108,11 @@ def launch_server(model: str, *extra_args: str, api_key: str | None = API_KEY) -
 
 
 def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None,
-                 log_level: str = "INFO") -> ServerHandle:
+                 log_level: str = "INFO", admin_key: str | None = "") -> ServerHandle:
     """Start a server process without waiting (start several, then wait_ready each: they load in
-    parallel). `env` adds variables (e.g. KVTIDE_FAULT_INJECT, which is otherwise never inherited)."""
+    parallel). `env` adds variables (e.g. KVTIDE_FAULT_INJECT, which is otherwise never inherited).
+    `admin_key`: --admin-api-key (default: the API key, else ADMIN_KEY; None: no admin key, so no
+    /internal/* and no engine pid known)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="kvtide-serve-", suffix=".log", dir=log_dir(), delete=False)
     args = [sys.executable, "-m", "kvtide.cli", "serve", model, "--port", str(port),
@@ -109,20 +120,26 @@ def start_server(model: str, *extra_args: str, api_key: str | None = API_KEY, en
             "--max-request-body", str(MAX_REQUEST_BODY), *extra_args]
     if api_key:
         args += ["--api-key", api_key]
+    if admin_key == "":
+        admin_key = api_key or ADMIN_KEY
+    if admin_key:
+        args += ["--admin-api-key", admin_key]
     # One thread per process: the test machine's cores are shared.
     full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KVTIDE_LOG_LEVEL=log_level)
     full_env.pop("KVTIDE_API_KEY", None)
+    full_env.pop("KVTIDE_ADMIN_API_KEY", None)
     full_env.pop("KVTIDE_FAULT_INJECT", None)
     full_env.update(env or {})
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
     log.close()
-    return ServerHandle(proc, port, api_key, log.name)
+    return ServerHandle(proc, port, api_key, log.name, admin_key=admin_key)
 
 
 def wait_ready(handle: ServerHandle) -> ServerHandle:
     try:
         _wait_healthy(handle)
-        handle.engine_pid = handle.stats()["engine_core_pid"]
+        if handle.admin_key:
+            handle.engine_pid = handle.stats()["engine_core_pid"]
     except BaseException:
         handle.stop()
         print(handle.log()[-5000:])

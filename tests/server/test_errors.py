@@ -77,7 +77,7 @@ JSON_CASES = [
     ("chat max_completion_tokens", CHAT, chat(max_completion_tokens=-1), 400, "max_completion_tokens", None),
     ("chat tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
     ("chat response_format", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
-    ("chat bad template", CHAT, chat(chat_template="{% for %}"), 400, "messages", None),
+    ("chat request template untrusted", CHAT, chat(chat_template="{% for %}"), 400, "chat_template", None),
     ("chat kv_transfer_params beyond 64 bits", CHAT, chat(kv_transfer_params={"x": 2**70}), 400,
      None, None),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt", None),
@@ -129,10 +129,11 @@ def test_bad_bodies(client, path, name, raw, code):
     check_error(client.post(path, content=raw, headers={"content-type": "application/json"}), 400, code=code)
 
 
-def test_form_content_type_is_read_as_json(client):
+def test_form_content_type_is_refused(client):
+    # A form is what a web page may POST cross-origin without asking: only JSON is read as JSON.
     r = client.post(CMPL, content=b'{"prompt": "hi", "max_tokens": 1}',
                     headers={"content-type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 200, r.text
+    check_error(r, 415, param="Content-Type", code="unsupported_media_type")
 
 
 def test_oversize_body(server, client):

@@ -23,7 +23,11 @@ KEYS = {"keys": [
     {"key": "sk-tpmjson-333", "name": "tpm-json-team", "tokens_per_minute": 10, "requests_per_minute": None},
     {"key": "sk-conc-444", "name": "conc-team", "max_concurrent": 1},
     {"key": "sk-free-555"},
+    *({"key": f"sk-long-{transport}", "name": f"long-{transport}", "tokens_per_minute": 50}
+      for transport in ("completion", "chat", "websocket")),
 ]}
+LONG_PROMPT = "hello " * 120
+"""Hundreds of tokens: far over the long-* keys' 50 tokens per minute in one streamed request."""
 
 
 # ---- the file ------------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def test_load_api_keys_defaults(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(KEYS))
     keys = load_api_keys(str(path))
-    assert len(keys) == 5
+    assert len(keys) == len(KEYS["keys"])
     free = keys.lookup("sk-free-555")
     assert free is not None and free.name == default_key_name("sk-free-555") and free.name.startswith("key-")
     assert "sk-free" not in free.name and "sk-free" not in repr(free)
@@ -188,6 +192,14 @@ def test_unknown_or_missing_key_is_401(quota_server):
     assert httpx.get(quota_server.url("/")).status_code == 200  # the chat page
 
 
+def test_quota_keys_cannot_reach_internal_routes(quota_server):
+    for key in ("sk-free-555", "sk-rpm-111"):
+        for method, path in (("GET", "/internal/stats"), ("POST", "/internal/check_integrity")):
+            r = httpx.request(method, quota_server.url(path), headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    assert quota_server.stats()["num_running"] == 0  # the admin key (here: --api-key's) opens them
+
+
 def test_requests_per_minute(quota_server):
     assert _post(quota_server, "sk-rpm-111").status_code == 200
     r = httpx.get(quota_server.url("/v1/models"), headers={"x-api-key": "sk-rpm-111"})  # x-api-key counts too
@@ -209,7 +221,9 @@ def test_tokens_per_minute_from_json_usage(quota_server):
 
 
 def test_tokens_per_minute_from_stream(quota_server):
-    # No include_usage: charged one token per delta with text (byte tokens may end mid-character: fewer)
+    # No include_usage: charged the engine's counts all the same (prompt + 80 completion tokens)
+    prompt_tokens = httpx.post(quota_server.url("/tokenize"), headers=quota_server.headers,
+                               json={"model": MODEL_NAME, "prompt": "a"}).json()["count"]
     with httpx.stream("POST", quota_server.url("/v1/completions"), headers={"Authorization": "Bearer sk-tpm-222"},
                       json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 80, "min_tokens": 80, "stream": True,
                             "temperature": 0}, timeout=60.0) as r:
@@ -221,7 +235,48 @@ def test_tokens_per_minute_from_stream(quota_server):
     _assert_rate_limited(_post(quota_server, "sk-tpm-222"))
     text = _metrics(quota_server)
     assert 'kvtide:quota_requests_total{key_name="tpm-team",outcome="rejected_tokens"} 1.0' in text
-    assert f'kvtide:quota_tokens_total{{key_name="tpm-team"}} {float(with_text)}' in text
+    assert f'kvtide:quota_tokens_total{{key_name="tpm-team"}} {float(prompt_tokens + 80)}' in text
+
+
+def _stream_long_prompt(server, transport: str) -> list:
+    """One streamed request of LONG_PROMPT (max_tokens 2, no include_usage) with key long-TRANSPORT."""
+    key = f"sk-long-{transport}"
+    if transport == "websocket":
+        from websockets.sync.client import connect
+
+        url = server.url("/v1/completions").replace("http://", "ws://")
+        with connect(url, additional_headers={"Authorization": f"Bearer {key}"}, open_timeout=30) as ws:
+            ws.send(json.dumps({"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 2, "min_tokens": 2}))
+            messages = []
+            while (message := ws.recv(timeout=60)) != "[DONE]":
+                messages.append(json.loads(message))
+        return messages
+    path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}) \
+        if transport == "chat" else ("/v1/completions", {"prompt": LONG_PROMPT})
+    with httpx.stream("POST", server.url(path), headers={"Authorization": f"Bearer {key}"}, timeout=60.0,
+                      json={"model": MODEL_NAME, "max_tokens": 2, "min_tokens": 2, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        return sse_events(r.iter_lines())[:-1]
+
+
+@pytest.mark.parametrize("transport", ["completion", "chat", "websocket"])
+def test_streamed_long_prompt_is_charged_its_prompt_tokens(quota_server, transport):
+    """A streamed request without usage in its stream costs its prompt's tokens plus those
+    generated, as the engine counted them: the key's next request is refused."""
+    events = _stream_long_prompt(quota_server, transport)
+    assert events and all("usage" not in e or e["usage"] is None for e in events)
+    if transport == "chat":
+        prompt_tokens = httpx.post(quota_server.url("/tokenize"), headers=quota_server.headers, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": LONG_PROMPT}],
+            "add_generation_prompt": True}).json()["count"]
+    else:
+        prompt_tokens = httpx.post(quota_server.url("/tokenize"), headers=quota_server.headers,
+                                   json={"model": MODEL_NAME, "prompt": LONG_PROMPT}).json()["count"]
+    assert prompt_tokens > 500
+    error = _assert_rate_limited(_post(quota_server, f"sk-long-{transport}"))
+    assert "50 tokens per minute" in error["message"] and f"used {prompt_tokens + 2}" in error["message"]
+    assert f'kvtide:quota_tokens_total{{key_name="long-{transport}"}} {float(prompt_tokens + 2)}' \
+        in _metrics(quota_server)
 
 
 def test_max_concurrent(quota_server):

@@ -92,7 +92,8 @@ def test_what_streams_refuse_is_refused(server):
 
 def test_chat_invalid_messages(server):
     body = json.dumps({"model": MODEL_NAME, "messages": "hi"})
-    r = httpx.post(server.url("/v1/chat/completions"), content=body, headers=server.headers, timeout=60.0)
+    r = httpx.post(server.url("/v1/chat/completions"), content=body, timeout=60.0,
+                   headers={**server.headers, "content-type": "application/json"})
     messages, code = _ws_messages(server, "/v1/chat/completions", body)
     assert code == 1008 and [json.loads(m) for m in messages] == [r.json()]
 

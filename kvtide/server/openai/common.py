@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvtide.outputs import Logprob
+from kvtide.outputs import Logprob, PromptLogprobs
 from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from kvtide.server.errors import OpenAIError, from_engine_error
 from kvtide.server.limits import (
@@ -115,21 +115,41 @@ class SamplingRequest(OpenAIBaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     """For a KV connector: {"do_remote_decode": true} on a prefill instance; the params its response
     returned, on a decode instance (kvtide/disagg/p2p.py)."""
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    """vLLM's extra: the logprob of every prompt token (and this many alternatives), non-streamed
+    only; the prompt is then computed in full, without the prefix cache."""
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", 400, param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError("prompt_logprobs is not available with stream=true (as in vLLM)", 400,
+                              param="prompt_logprobs")
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 def response_body(response: BaseModel) -> dict[str, Any]:
-    """A non-streamed response as JSON, without kv_transfer_params unless a KV connector set them."""
+    """A non-streamed response as JSON, without kv_transfer_params unless a KV connector set them
+    and without prompt_logprobs unless the request asked for them."""
     body = response.model_dump()
-    if body.get("kv_transfer_params") is None:
-        body.pop("kv_transfer_params", None)
+    for holder in (body, *body.get("choices", ())):
+        for name in ("kv_transfer_params", "prompt_logprobs"):
+            if name in holder and holder[name] is None:
+                del holder[name]
     return body
+
+
+def prompt_logprobs_body(entries: PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's JSON of prompt logprobs: per prompt position (the first has none), token id ->
+    {logprob, rank, decoded_token} for the prompt's token and the top alternatives."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token_id): {"logprob": safe_float(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in entries]
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
@@ -180,7 +200,7 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
-            cache_salt=request.cache_salt, speculation=request.speculation,
+            cache_salt=request.cache_salt, speculation=request.speculation, prompt_logprobs=request.prompt_logprobs,
             structured_outputs=structured_outputs, kv_transfer_params=request.kv_transfer_params)
     except ValueError as e:
         raise from_engine_error(e) from e

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvtide.sampling_params import StructuredOutputsParams
+from kvtide.sampling_params import SamplingParams, StructuredOutputsParams
 from kvtide.server.errors import OpenAIError, from_value_error
+from kvtide.server.openai import offload
 from kvtide.server.openai.common import OpenAIBaseModel
 
 SUPPORTED_BACKENDS = ("xgrammar", "auto")
@@ -104,6 +105,17 @@ def constraint_error(error: ValueError, source: str | None) -> OpenAIError:
     if source is not None and result.param == "structured_outputs":
         result.param = source
     return result
+
+
+async def check_constraint_off_loop(engine: Any, params: SamplingParams, source: str | None) -> None:
+    """Parse the request's constraint (seconds for a large schema) on a worker thread, so that the
+    engine's own check when the request is added finds it already parsed (input_processor.py)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await offload.render(engine.input_processor.check_params, params, 0)
+    except ValueError as e:
+        raise constraint_error(e, source) from e
 
 
 def _fields_of(request: StructuredOutputFields, source: str) -> dict[str, Any]:

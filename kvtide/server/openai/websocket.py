@@ -2,6 +2,7 @@
 SSE stream of the POST, one message per event.
 
     client                                        server
+    connect (Origin, Host)                        ─▶ a foreign page or Host name: 403/400, no handshake
     connect (Authorization: Bearer K | x-api-key) ─▶ key, drain and quota checks (middleware)
     one text message: the POST's JSON body        ─▶ validated as the POST's, "stream" forced true
                                                   ◀─ per SSE event: the JSON after `data: `
@@ -36,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvtide.server.errors import OpenAIError, from_engine_error
 from kvtide.server.middleware import WS_CLOSE_POLICY, WS_CLOSE_TRY_AGAIN_LATER
+from kvtide.server.openai.chat_completions.body_counts import check_raw_body
 from kvtide.server.openai.chat_completions.protocol import ChatCompletionRequest
 from kvtide.server.openai.chat_completions.serving import ChatServing
 from kvtide.server.openai.completions.protocol import CompletionRequest
@@ -52,7 +54,7 @@ Create = Callable[[Any, Request], Awaitable[Response]]
 
 @router.websocket("/v1/chat/completions")
 async def chat_completion_websocket(websocket: WebSocket) -> None:
-    await _serve(websocket, ChatCompletionRequest, lambda state: ChatServing(state).create)
+    await _serve(websocket, ChatCompletionRequest, lambda state: ChatServing(state).create, check_raw_body)
 
 
 @router.websocket("/v1/completions")
@@ -61,14 +63,15 @@ async def completion_websocket(websocket: WebSocket) -> None:
 
 
 async def _serve(websocket: WebSocket, request_type: type[BaseModel],
-                 serving: Callable[[ServerState], Create]) -> None:
+                 serving: Callable[[ServerState], Create],
+                 precheck: Callable[[bytes], None] | None = None) -> None:
     state: ServerState = websocket.app.state.kvtide
     await websocket.accept()
     message = await websocket.receive()
     if message["type"] == "websocket.disconnect":
         return
     try:
-        request = _parse(message, request_type, state.settings.max_request_body)
+        request = _parse(message, request_type, state.settings.max_request_body, precheck)
     except RequestValidationError as e:
         await _close_with_error(websocket, await _handled(websocket, e))
         return
@@ -94,8 +97,11 @@ async def _serve(websocket: WebSocket, request_type: type[BaseModel],
             await watcher
 
 
-def _parse(message: dict[str, Any], request_type: type[BaseModel], max_bytes: int) -> BaseModel:
-    """The first message -> the request, as the POST route validates its body (same errors)."""
+def _parse(message: dict[str, Any], request_type: type[BaseModel], max_bytes: int,
+           precheck: Callable[[bytes], None] | None = None) -> BaseModel:
+    """The first message -> the request, as the POST route validates its body (same errors, and the
+    route's count of tools and messages on the raw bytes first, so a huge list is not parsed on the
+    event loop)."""
     text = message.get("text")
     if text is None:
         try:
@@ -105,6 +111,8 @@ def _parse(message: dict[str, Any], request_type: type[BaseModel], max_bytes: in
     if len(text.encode()) > max_bytes:
         raise OpenAIError(f"Request body exceeds the limit of {max_bytes} bytes (--max-request-body)", 413,
                           code="request_too_large")
+    if precheck is not None:
+        precheck(text.encode())
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvtide.server.errors import from_engine_error
+from kvtide.server.openai.chat_completions.body_counts import CountedChatRoute
 from kvtide.server.openai.chat_completions.protocol import ChatCompletionRequest
 from kvtide.server.openai.chat_completions.serving import ChatServing
 from kvtide.server.state import get_state
 
-router = APIRouter()
+router = APIRouter(route_class=CountedChatRoute)
 
 
 @router.post("/v1/chat/completions")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvtide.server.limits import MAX_TOP_LOGPROBS
+from kvtide.server.openai.chat_completions.body_counts import check_counts
 from kvtide.server.openai.common import OpenAIBaseModel, SamplingRequest, UsageInfo
 from kvtide.server.openai.structured import StructuredOutputFields
 
@@ -82,6 +83,17 @@ class ChatCompletionRequest(SamplingRequest, StructuredOutputFields):
     include_reasoning: bool = True
     """With --reasoning-parser: false drops reasoning_content from the response."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_lists(cls, data: Any) -> Any:
+        """tools and messages counted before they are validated (for bodies that did not come
+        through the POST route's raw count, e.g. a WebSocket message)."""
+        if isinstance(data, dict):
+            tools, messages = data.get("tools"), data.get("messages")
+            check_counts(len(tools) if isinstance(tools, list) else None,
+                         len(messages) if isinstance(messages, list) else None)
+        return data
+
 
 class ChatLogprob(OpenAIBaseModel):
     token: str
@@ -123,3 +135,5 @@ class ChatCompletionResponse(OpenAIBaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     """A prefill instance's handle on the prompt it staged for a decode instance (KV connectors);
     left out of the JSON when there is none."""
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    """With prompt_logprobs in the request (vLLM's shape, common.prompt_logprobs_body)."""

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtide.outputs import CompletionOutput, RequestOutput
 from kvtide.sampling_params import StructuredOutputsParams
 from kvtide.server.errors import OpenAIError, from_engine_error, from_value_error
+from kvtide.server.limits import MAX_CHAT_TEMPLATE_BYTES, MAX_MESSAGES
+from kvtide.server.openai import offload
 from kvtide.server.openai.chat_completions.assembly import ChoiceAssembler, assemble_message
 from kvtide.server.openai.chat_completions.protocol import (
     ChatChoiceLogprobs,
@@ -41,6 +43,7 @@ from kvtide.server.openai.common import (
     chosen_logprob,
     first_and_rest,
     merge_streams,
+    prompt_logprobs_body,
     resolve_max_tokens,
     response_body,
     safe_float,
@@ -48,8 +51,15 @@ from kvtide.server.openai.common import (
     top_entries,
     until_disconnected,
 )
-from kvtide.server.openai.structured import constraint_error, make_structured_outputs, structured_outputs_of
+from kvtide.server.openai.rendering import TemplateRenderError, render_template
+from kvtide.server.openai.structured import (
+    check_constraint_off_loop,
+    constraint_error,
+    make_structured_outputs,
+    structured_outputs_of,
+)
 from kvtide.server.output_parsers import SPECIAL_MARKER_TOOL_PARSERS
+from kvtide.server.quotas import charge_tokens, charged_outputs
 from kvtide.server.state import ServerState
 
 
@@ -62,34 +72,72 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Messages -> prompt token ids (rendered with the template, tokenized once, no added BOS)."""
-    text = render_chat_text(state, messages, add_generation_prompt, chat_template, template_kwargs, tools)
-    return state.tokenizer.encode(text, add_special_tokens=False)
+TEMPLATE_RESERVED_KWARGS = frozenset({"messages", "conversation", "documents", "add_generation_prompt", "chat_template",
+                                      "tokenize", "continue_final_message", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""chat_template_kwargs that would replace what the server passes the template (or change how
+transformers runs it): a 400, as apply_chat_template's TypeError used to be."""
 
 
-def render_chat_text(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                     chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
-    """Messages (and the tools, for templates that describe them) -> the prompt text."""
+def check_chat_request(state: ServerState, messages: list[ChatMessage], chat_template: str | None,
+                       template_kwargs: dict[str, Any] | None) -> None:
+    """The limits a chat body must meet before anything is rendered (400s naming the field)."""
+    if len(messages) > MAX_MESSAGES:
+        raise OpenAIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", 400, param="messages")
+    if chat_template is not None:
+        if not state.limits.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is not accepted by this server (it runs code on the "
+                              "server); start it with --trust-request-chat-template to allow it", 400,
+                              param="chat_template")
+        if len(chat_template.encode("utf-8")) > MAX_CHAT_TEMPLATE_BYTES:
+            raise OpenAIError(f"chat_template: at most {MAX_CHAT_TEMPLATE_BYTES} bytes", 400, param="chat_template")
+    reserved = sorted(TEMPLATE_RESERVED_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise OpenAIError(f"chat_template_kwargs may not set {', '.join(reserved)}", 400,
+                          param="chat_template_kwargs")
+
+
+async def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                             chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                             tools: list[dict[str, Any]] | None = None, check_length: bool = True) -> tuple[str, list[int]]:
+    """Messages -> (prompt text, token ids): rendered with the template, tokenized once with no
+    added BOS, both off the event loop. check_length: refuse a text too long for max_model_len."""
+    text = await render_chat_text(state, messages, add_generation_prompt, chat_template, template_kwargs, tools)
+    tokenizer = state.tokenizer
+
+    def encode() -> list[int]:
+        if check_length:
+            offload.check_prompt_chars(tokenizer, text, state.max_model_len, "messages")
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = await offload.tokenize(encode, timeout_s=state.limits.render_timeout_s, param="messages")
+    return text, ids
+
+
+async def render_chat_text(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                           chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                           tools: list[dict[str, Any]] | None = None) -> str:
+    """Messages (and the tools, for templates that describe them) -> the prompt text, rendered off
+    the event loop within --render-timeout and 2 x --max-request-body bytes (rendering.py)."""
+    check_chat_request(state, messages, chat_template, template_kwargs)
     tokenizer = state.tokenizer
     template = chat_template or state.settings.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise OpenAIError("this model has no chat template; start the server with --chat-template", 400,
                           param="messages")
+    if not isinstance(template, str):  # a tokenizer's named templates: pick as transformers does
+        template = tokenizer.get_chat_template(None, tools or None)
     conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
     kwargs.pop("tools", None)
+    limits = state.limits
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, tools=tools or None,
-                                             **kwargs)
-    except Exception as e:  # jinja2 errors, a template's raise_exception(...)
-        raise OpenAIError(f"cannot render the messages with the chat template: {e}", 400,
-                          param="messages") from e
-    if not isinstance(text, str) or not text:
+        text = await offload.render(render_template, tokenizer, template, conversation, tools or None,
+                                    add_generation_prompt, kwargs, limits.max_rendered_prompt_bytes,
+                                    limits.render_timeout_s)
+    except TemplateRenderError as e:
+        raise OpenAIError(str(e), 400, param="chat_template" if chat_template is not None else "messages") from e
+    if not text:
         raise OpenAIError("the chat template rendered an empty prompt", 400, param="messages")
     return text
 
@@ -154,12 +202,13 @@ class ChatServing:
         state = self.state
         model = state.check_model(request.model)
         self._check_supported(request)
-        plan = plan_tools(request, state.parsers.auto_tool_choice)
-        prompt_text = render_chat_text(state, request.messages, request.add_generation_prompt,
-                                       request.chat_template, request.chat_template_kwargs, plan.tools)
+        check_chat_request(state, request.messages, request.chat_template, request.chat_template_kwargs)
+        plan = plan_tools(request, state.parsers.auto_tool_choice, state.limits)
+        prompt_text, prompt_ids = await render_chat_prompt(
+            state, request.messages, request.add_generation_prompt, request.chat_template,
+            request.chat_template_kwargs, plan.tools)
         try:
-            prompt_ids = state.engine.process_prompt(
-                {"prompt_token_ids": state.tokenizer.encode(prompt_text, add_special_tokens=False)}).prompt_token_ids
+            prompt_ids = state.engine.process_prompt({"prompt_token_ids": prompt_ids}).prompt_token_ids
         except ValueError as e:
             raise from_value_error(e, param="messages") from e
         requested = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -171,9 +220,12 @@ class ChatServing:
         params = build_sampling_params(request, max_tokens, top_logprobs, structured)
         if params.skip_special_tokens and self._needs_special_tokens(plan, reasoning is not None):
             params = params.clone(skip_special_tokens=False)
+        await check_constraint_off_loop(state.engine, params, source)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = merge_streams([state.engine.generate({"prompt_token_ids": prompt_ids}, params, response_id,
                                                       request.priority)])
+        charge_tokens(raw_request, len(prompt_ids))  # the key's quota, if any: now, not when it ends
+        stream = charged_outputs(raw_request, stream)
         outputs = _ChoiceOutputs(plan, state.parsers.tool_parser, reasoning, request.include_reasoning)
         try:
             if request.stream:
@@ -251,8 +303,10 @@ class ChatServing:
         choices: dict[int, _Choice] = {}
         cached_tokens = 0
         kv_transfer_params = None
+        prompt_logprobs = None
         async for _, output in stream:
             cached_tokens = output.num_cached_tokens
+            prompt_logprobs = output.prompt_logprobs
             kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
                 choice = choices.setdefault(completion.index, _Choice())
@@ -273,7 +327,7 @@ class ChatServing:
         response = ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=model, choices=response_choices,
             usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()), cached_tokens),
-            kv_transfer_params=kv_transfer_params)
+            kv_transfer_params=kv_transfer_params, prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
         return response_body(response)
 
     # ---- streamed --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtide.server.errors import OpenAIError
+from kvtide.server.limits import RequestLimits
 from kvtide.server.openai.chat_completions.protocol import ChatCompletionRequest, ChatTool
 from kvtide.server.openai.chat_completions.tool_call_streams import (
     AutoToolStream,
@@ -71,7 +72,8 @@ class ToolPlan:
         return PlainStream()
 
 
-def plan_tools(request: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
+def plan_tools(request: ChatCompletionRequest, auto_tool_choice: bool,
+               limits: RequestLimits | None = None) -> ToolPlan:
     """Validate tools and tool_choice (400s with OpenAI's param) and decide the mode. As in vLLM,
     tools without a tool_choice mean "auto", which needs the server's tool parser."""
     choice = request.tool_choice
@@ -79,6 +81,7 @@ def plan_tools(request: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPl
         if choice is not None and choice != "none":
             raise OpenAIError("tool_choice is only allowed when tools are given", 400, param="tool_choice")
         return ToolPlan("none", [], parallel_tool_calls=request.parallel_tool_calls)
+    check_tool_limits(request.tools, limits or RequestLimits())
     tools = [_tool_dict(tool, i) for i, tool in enumerate(request.tools)]
     names = [t["function"]["name"] for t in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -96,6 +99,19 @@ def plan_tools(request: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPl
         raise OpenAIError(f"tool_choice names function {choice.function.name!r}, which is not in tools", 400,
                           param="tool_choice")
     return ToolPlan("named", tools, choice.function.name, request.parallel_tool_calls)
+
+
+def check_tool_limits(tools: list[ChatTool], limits: RequestLimits) -> None:
+    """Every tool is rendered into the prompt and, for a named or "required" choice, compiled into
+    the grammar: their number and size are capped before either happens."""
+    if len(tools) > limits.max_tools:
+        raise OpenAIError(f"tools: at most {limits.max_tools} tools, got {len(tools)}", 400, param="tools")
+    size = 0
+    for tool in tools:
+        size += len(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > limits.max_tools_bytes:
+            raise OpenAIError(f"tools: at most {limits.max_tools_bytes} bytes of tool definitions together (as "
+                              f"JSON)", 400, param="tools")
 
 
 def _tool_dict(tool: ChatTool, index: int) -> dict[str, Any]:

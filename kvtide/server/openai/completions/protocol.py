@@ -48,6 +48,8 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    """With prompt_logprobs in the request (vLLM's shape, common.prompt_logprobs_body)."""
 
 
 class CompletionResponse(OpenAIBaseModel):

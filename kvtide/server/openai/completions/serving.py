@@ -16,9 +16,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvtide.engine.input_processor import ProcessedPrompt
 from kvtide.outputs import CompletionOutput, RequestOutput
 from kvtide.sampling_params import SamplingParams
 from kvtide.server.errors import OpenAIError, from_engine_error, from_value_error
+from kvtide.server.openai import offload
 from kvtide.server.openai.common import (
     SSE_DONE,
     ClientDisconnected,
@@ -27,6 +29,7 @@ from kvtide.server.openai.common import (
     chosen_logprob,
     first_and_rest,
     merge_streams,
+    prompt_logprobs_body,
     resolve_max_tokens,
     response_body,
     safe_float,
@@ -40,7 +43,9 @@ from kvtide.server.openai.completions.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from kvtide.server.openai.structured import constraint_error, structured_outputs_of
+from kvtide.server.openai.offload import check_prompt_chars
+from kvtide.server.openai.structured import check_constraint_off_loop, constraint_error, structured_outputs_of
+from kvtide.server.quotas import charge_tokens, charged_outputs
 from kvtide.server.state import ServerState
 
 
@@ -62,23 +67,27 @@ class CompletionServing:
         model = state.check_model(request.model)
         self._check_supported(request)
         prompts = _normalize_prompts(request.prompt)
-        prompt_ids = []
-        for prompt in prompts:
-            try:
-                prompt_ids.append(state.engine.process_prompt(prompt, request.add_special_tokens).prompt_token_ids)
-            except ValueError as e:
-                raise from_value_error(e, param="prompt") from e
+        limit = state.limits.max_prompts_per_request
+        if len(prompts) * request.n > limit:
+            raise OpenAIError(f"prompt: at most {limit} completions per request (prompts x n), got "
+                              f"{len(prompts)} x {request.n}", 400, param="prompt")
         structured, source = structured_outputs_of(request)
+        processed = await offload.tokenize(self._process_prompts, prompts, request.add_special_tokens,
+                                           timeout_s=state.limits.render_timeout_s, param="prompt")
+        prompt_ids = [p.prompt_token_ids for p in processed]
         params = [build_sampling_params(
             request, resolve_max_tokens(request.max_tokens, len(ids), state.max_model_len, "prompt"),
             request.logprobs, structured) for ids in prompt_ids]
         if request.use_beam_search:
             params = [_beam_search_params(request, p) for p in params]
+        if params:
+            await check_constraint_off_loop(state.engine, params[0], source)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = [state.engine.generate({"prompt_token_ids": ids}, p, f"{response_id}-{i}", request.priority)
-                   for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=False))]
+        streams = [state.engine.generate(prompt, p, f"{response_id}-{i}", request.priority)
+                   for i, (prompt, p) in enumerate(zip(processed, params, strict=False))]
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        merged = merge_streams(streams)
+        charge_tokens(raw_request, num_prompt_tokens)  # the key's quota, if any: now, not when it ends
+        merged = charged_outputs(raw_request, merge_streams(streams))
         try:
             if request.stream:
                 try:
@@ -96,6 +105,20 @@ class CompletionServing:
         except ValueError as e:
             raise constraint_error(e, source) from e
         return JSONResponse(body)
+
+    def _process_prompts(self, prompts: list[Any], add_special_tokens: bool) -> list[ProcessedPrompt]:
+        """Tokenize and validate every prompt (on the tokenizer's thread: a text longer than
+        max_model_len tokens can hold is refused without tokenizing it)."""
+        state = self.state
+        processed = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                check_prompt_chars(state.tokenizer, prompt, state.max_model_len, "prompt")
+            try:
+                processed.append(state.engine.process_prompt(prompt, add_special_tokens))
+            except ValueError as e:
+                raise from_value_error(e, param="prompt") from e
+        return processed
 
     @staticmethod
     def _check_supported(request: CompletionRequest) -> None:
@@ -115,9 +138,11 @@ class CompletionServing:
                        response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
         cached_tokens: dict[int, int] = {}
+        prompt_logprobs: dict[int, Any] = {}
         kv_transfer_params = None
         async for prompt_index, output in merged:
             cached_tokens[prompt_index] = output.num_cached_tokens
+            prompt_logprobs[prompt_index] = output.prompt_logprobs
             kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
                 choice = choices.setdefault(prompt_index * request.n + completion.index, _Choice())
@@ -131,7 +156,8 @@ class CompletionServing:
         response = CompletionResponse(
             id=response_id, created=int(time.time()), model=model,
             choices=[CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      prompt_logprobs=prompt_logprobs_body(prompt_logprobs.get(i // request.n)))
                      for i, c in sorted(choices.items())],
             usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()),
                                sum(cached_tokens.values())), kv_transfer_params=kv_transfer_params)

@@ -16,7 +16,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     try:
-        return JSONResponse(serving.tokenize(get_state(raw_request), request).model_dump())
+        return JSONResponse((await serving.tokenize(get_state(raw_request), request)).model_dump())
     except Exception as e:
         return from_engine_error(e).response()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvtide.server.errors import OpenAIError
+from kvtide.server.openai import offload
 from kvtide.server.openai.chat_completions.serving import render_chat_prompt
 from kvtide.server.openai.tokenize.protocol import (
     DetokenizeRequest,
@@ -13,15 +14,23 @@ from kvtide.server.openai.tokenize.protocol import (
 from kvtide.server.state import ServerState
 
 
-def tokenize(state: ServerState, request: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(state: ServerState, request: TokenizeRequest) -> TokenizeResponse:
+    """The prompt's tokens, rendered and tokenized off the event loop as chat requests are; a text
+    too long for max_model_len tokens is refused as in a completion (offload.check_prompt_chars)."""
     state.check_model(request.model)
     if (request.prompt is None) == (request.messages is None):
         raise OpenAIError("give exactly one of prompt and messages", 400, param="prompt")
     if request.messages is not None:
-        tokens = render_chat_prompt(state, request.messages, request.add_generation_prompt,
-                                    request.chat_template, request.chat_template_kwargs)
+        _, tokens = await render_chat_prompt(state, request.messages, request.add_generation_prompt,
+                                             request.chat_template, request.chat_template_kwargs)
     else:
-        tokens = state.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        prompt, tokenizer = request.prompt, state.tokenizer
+
+        def encode() -> list[int]:
+            offload.check_prompt_chars(tokenizer, prompt, state.max_model_len, "prompt")
+            return tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+
+        tokens = await offload.tokenize(encode, timeout_s=state.limits.render_timeout_s, param="prompt")
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=list(tokens))
 
 
