@@ -239,8 +239,11 @@ class CompilePool:
             return False
 
     def _spawn(self) -> None:
+        # kvtide importable there as here, however this process found it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         process = subprocess.Popen([sys.executable, "-m", "kvtide.structured_output.compile_worker"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
         worker = _Worker(process)
         self._workers.append(worker)
         self.num_started += 1

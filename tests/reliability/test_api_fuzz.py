@@ -157,7 +157,7 @@ CASES: list[tuple[str, str, object, dict | None, object]] = [
     # ---- headers ------------------------------------------------------------------------------
     ("header over our limit", CMPL, cmpl(), {"X-Pad": "p" * (MAX_HEADER_BYTES + 1)}, 431),
     ("many small headers", CMPL, cmpl(), {f"X-H{i}": "v" for i in range(300)}, 200),
-    ("content-type text/plain", CMPL, cmpl(), {"Content-Type": "text/plain"}, 200),
+    ("content-type text/plain", CMPL, cmpl(), {"Content-Type": "text/plain"}, 415),
     ("content-encoding gzip lie", CMPL, cmpl(), {"Content-Encoding": "gzip"}, "ok"),
     ("accept nonsense", CMPL, cmpl(), {"Accept": "image/png"}, 200),
     # ---- unknown fields -----------------------------------------------------------------------
