@@ -44,7 +44,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.num_invalid_structured_outputs = 0
         """Requests refused for a schema, regex or grammar that does not parse (a metric)."""
-        self._checked_constraints: OrderedDict[tuple, None] = OrderedDict()
+        self._checked_constraints: OrderedDict[tuple, str | None] = OrderedDict()
+        """Constraint key -> None (parsed) or the parse error (refused again without parsing)."""
         self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
@@ -131,16 +132,25 @@ class InputProcessor:
         with self._checked_lock:
             if key in self._checked_constraints:
                 self._checked_constraints.move_to_end(key)
-                return
+                error = self._checked_constraints[key]
+                if error is None:
+                    return
+                self.num_invalid_structured_outputs += 1
+                raise ValueError(error)
+        error = None
         try:
             build_grammar(so)
-        except ValueError:
+        except ValueError as e:
             self.num_invalid_structured_outputs += 1
-            raise
+            error = str(e)
+        # Failures are remembered too: a constraint that takes seconds to parse and fails is refused
+        # at once when it comes again.
         with self._checked_lock:
-            self._checked_constraints[key] = None
+            self._checked_constraints[key] = error
             while len(self._checked_constraints) > CHECKED_CONSTRAINTS_CACHE:
                 self._checked_constraints.popitem(last=False)
+        if error is not None:
+            raise ValueError(error)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:

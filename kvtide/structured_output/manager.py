@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from kvtide.config import StructuredOutputsConfig
 
 
+FAILED_ENTRY_BYTES = 1024
+"""What a cached compile error counts against cache_bytes."""
+
+
 @dataclass
 class _CacheEntry:
     future: Future
@@ -163,16 +167,20 @@ class StructuredOutputManager:
     # ---- the cache -----------------------------------------------------------------------------
     def _compiled(self, key: tuple, future: Future) -> None:
         """A compile ended (on the pool's thread): count its bytes into the cache, dropping the
-        least recently used grammars past cache_bytes; a failed or cancelled one leaves the cache."""
+        least recently used grammars past cache_bytes; a cancelled one leaves the cache, a failed one
+        stays as its error."""
         with self._lock:
             self._waiters.pop(future, None)
             entry = self._cache.get(key)
             if entry is None or entry.future is not future:
                 return
-            if future.cancelled() or future.exception() is not None:
+            if future.cancelled():
                 del self._cache[key]
                 return
-            entry.size = max(1, int(future.result().memory_size_bytes))
+            # A failed compile stays cached as its error, so the same hostile grammar sent again
+            # fails at once instead of holding a compiler process for its whole time limit again.
+            failed = future.exception() is not None
+            entry.size = FAILED_ENTRY_BYTES if failed else max(1, int(future.result().memory_size_bytes))
             self._cached_bytes += entry.size
             for old_key in list(self._cache):
                 if self._cached_bytes <= self.cache_bytes:

@@ -20,6 +20,8 @@ import collections
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,7 @@ REQUESTS = int(os.environ.get("KVTIDE_HOSTILE_FUZZ_REQUESTS", "5000"))
 HEALTH_EVERY_S = 0.1
 HEALTH_LIMIT_S = 0.25
 RSS_GROWTH_LIMIT_KIB = 1024 * 1024
-CLIENT_THREADS = 4
+CLIENT_THREADS = 2
 SCHEMA_EXAMPLES = 25
 """schemathesis examples per operation and mode (positive, negative)."""
 
@@ -64,10 +66,11 @@ def _fill(make, budget: int) -> list:
 
 
 def _nested_schema(depth: int) -> dict:
+    """Objects and arrays nested `depth` deep (each level holds the one below once)."""
     schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema, "b": {"type": "array", "items": schema}},
-                  "required": ["a"]}
+    for level in range(depth):
+        schema = ({"type": "array", "items": schema} if level % 2 else
+                  {"type": "object", "properties": {"a": schema, "b": {"type": "integer"}}, "required": ["a"]})
     return schema
 
 
@@ -78,8 +81,8 @@ def _hostile_bodies() -> list[tuple[str, str, bytes, str]]:
     many_choices = _fill(lambda i: f"c{i}", budget)
     many_prompts = _fill(lambda i: "p", budget)
     many_messages = _fill(lambda i: {"role": "user", "content": "m"}, budget)
-    wide_schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(2000)},
-                   "required": [f"k{i}" for i in range(2000)]}
+    wide_schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(1500)},
+                   "required": [f"k{i}" for i in range(1500)]}
     bodies: list[tuple[str, str, object]] = [
         ("tools_required", CHAT, _chat(tools=many_tools, tool_choice="required")),
         ("tools_auto", CHAT, _chat(tools=many_tools)),
@@ -125,57 +128,71 @@ def _schemathesis_cases(server) -> list[tuple[str, str, str, bytes | None]]:
     spec = httpx.get(server.url("/openapi.json"), headers=server.headers, timeout=30).json()
     schema = schemathesis.openapi.from_dict(spec)
     cases: list = []
+
+    def collector(mode: GenerationMode):
+        def collect(case) -> None:
+            has_body = type(case.body).__name__ != "NotSet"  # schemathesis's marker for "no body"
+            body = None
+            if has_body and case.method.upper() in ("POST", "PUT", "PATCH"):
+                payload = case.body
+                if isinstance(payload, dict) and mode == GenerationMode.POSITIVE:
+                    # Valid requests may ask for long generations: keep them short.
+                    payload = {**payload, "max_tokens": 2}
+                    payload.pop("max_completion_tokens", None)
+                body = payload if isinstance(payload, bytes) else json.dumps(payload, allow_nan=True).encode()
+            cases.append((f"schemathesis {mode.value}", case.method.upper(), case.formatted_path, body))
+
+        return collect
+
     for op in (op.ok() for op in schema.get_all_operations()):
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=SCHEMA_EXAMPLES, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def collect(case, mode=mode):
-                has_body = type(case.body).__name__ != "NotSet"
-                body = None
-                if has_body and case.method.upper() in ("POST", "PUT", "PATCH"):
-                    body = case.body if isinstance(case.body, bytes) else json.dumps(case.body, allow_nan=True).encode()
-                    if isinstance(case.body, dict) and mode == GenerationMode.POSITIVE:
-                        # Valid requests may ask for long generations: keep them short.
-                        capped = {**case.body, "max_tokens": 2}
-                        capped.pop("max_completion_tokens", None)
-                        body = json.dumps(capped, allow_nan=True).encode()
-                cases.append((f"schemathesis {mode.value}", case.method.upper(), case.formatted_path, body))
-
+            run = settings(max_examples=SCHEMA_EXAMPLES, deadline=None, database=None, derandomize=True,
+                           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(
+                given(case=op.as_strategy(generation_mode=mode))(collector(mode)))
             try:
-                collect()
+                run()
             except Exception as e:  # a negative strategy that cannot be built for this operation
                 if "Unsatisfiable" not in type(e).__name__:
                     raise
     return cases
 
 
-class _HealthProbe(threading.Thread):
-    """GET /health every HEALTH_EVERY_S on its own connection; keeps every latency."""
+_PROBE_SCRIPT = """
+import sys, time, httpx
+url, every, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+with httpx.Client(timeout=10.0) as client, open(out, "w", buffering=1) as f:
+    while True:
+        start = time.perf_counter()
+        try:
+            status = client.get(url).status_code
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+        f.write(f"{time.perf_counter() - start} {status}\\n")
+        time.sleep(every)
+"""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
+
+class _HealthProbe:
+    """GET /health every HEALTH_EVERY_S from a process of its own (the senders' threads share this
+    one's GIL, which would time them, not the server); every latency and non-200 answer."""
+
+    def __init__(self, url: str, log_path: str) -> None:
+        self.log_path = log_path
         self.latencies: list[float] = []
         self.failures: list[str] = []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=10.0) as client:
-            while not self._stop_event.is_set():
-                start = time.perf_counter()
-                try:
-                    status = client.get(self.url).status_code
-                except httpx.HTTPError as e:
-                    status = repr(e)
-                self.latencies.append(time.perf_counter() - start)
-                if status != 200:
-                    self.failures.append(str(status))
-                self._stop_event.wait(HEALTH_EVERY_S)
+        self._process = subprocess.Popen([sys.executable, "-c", _PROBE_SCRIPT, url, str(HEALTH_EVERY_S), log_path])
 
     def stop(self) -> None:
-        self._stop_event.set()
-        self.join(30)
+        self._process.kill()
+        self._process.wait()
+        with open(self.log_path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) != 2:
+                    continue  # the line being written when it was stopped
+                self.latencies.append(float(parts[0]))
+                if parts[1] != "200":
+                    self.failures.append(parts[1])
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -184,7 +201,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 @pytest.mark.slow
-def test_hostile_fuzz_tier(fuzz_server):
+def test_hostile_fuzz_tier(fuzz_server, tmp_path):
     server = fuzz_server
     pids = [server.proc.pid, server.engine_pid]
     rss_start = sum(rss_kib(pid) for pid in pids)
@@ -198,6 +215,7 @@ def test_hostile_fuzz_tier(fuzz_server):
     plan = plan[:REQUESTS]
 
     statuses: collections.Counter = collections.Counter()
+    slowest: dict[str, float] = {}
     problems: list[str] = []
     local = threading.local()
     lock = threading.Lock()
@@ -208,6 +226,7 @@ def test_hostile_fuzz_tier(fuzz_server):
         if client is None:
             client = local.client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120.0)
         headers = {"content-type": content_type} if raw is not None else {}
+        start = time.perf_counter()
         try:
             r = client.request(method, path, content=raw, headers=headers)
         except httpx.HTTPError as e:
@@ -223,12 +242,14 @@ def test_hostile_fuzz_tier(fuzz_server):
             except (AssertionError, ValueError) as e:
                 problem = f"{r.status_code} not OpenAI's error format ({e}): {r.text[:200]}"
         with lock:
+            kind = name.split()[0]
+            slowest[kind] = max(slowest.get(kind, 0.0), time.perf_counter() - start)
             statuses[f"{name} {r.status_code // 100 if name.startswith('schemathesis') else r.status_code}"] += 1
             if problem:
                 problems.append(f"{name} {method} {path} -> {problem}")
 
-    probe = _HealthProbe(server.url("/health"))
-    probe.start()
+    probe = _HealthProbe(server.url("/health"), str(tmp_path / "health.log"))
+    time.sleep(1.0)  # the probe's interpreter is up before the first request
     started = time.monotonic()
     rss_peak = rss_start
     try:
@@ -251,6 +272,7 @@ def test_hostile_fuzz_tier(fuzz_server):
                                                       for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
         "rss_mib": {"start": rss_start // 1024, "peak": rss_peak // 1024, "end": rss_end // 1024},
         "statuses": dict(sorted(statuses.items())),
+        "slowest_s": {kind: round(seconds, 2) for kind, seconds in sorted(slowest.items())},
     }
     print(json.dumps(FIGURES["hostile_fuzz"], indent=1))
     assert not problems, "\n".join(problems[:30])
