@@ -28,7 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from rel_helpers import FIGURES, MAX_REQUEST_BODY, MODEL_NAME, check_error_body, rss_kib, wait_idle
+from rel_helpers import (
+    FIGURES,
+    MAX_REQUEST_BODY,
+    MODEL_NAME,
+    check_error_body,
+    children_of,
+    rss_kib,
+    wait_idle,
+)
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 REQUESTS = int(os.environ.get("KVTIDE_HOSTILE_FUZZ_REQUESTS", "5000"))
@@ -195,6 +203,18 @@ class _HealthProbe:
                     self.failures.append(parts[1])
 
 
+def _server_rss_kib(server) -> int:
+    """The server's, its engine core's and the engine's children's (grammar compilers) RSS."""
+    pids = [server.proc.pid, server.engine_pid, *children_of(server.engine_pid)]
+    total = 0
+    for pid in pids:
+        try:
+            total += rss_kib(pid)
+        except OSError:  # a compiler that just exited
+            pass
+    return total
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -203,8 +223,7 @@ def _percentile(values: list[float], q: float) -> float:
 @pytest.mark.slow
 def test_hostile_fuzz_tier(fuzz_server, tmp_path):
     server = fuzz_server
-    pids = [server.proc.pid, server.engine_pid]
-    rss_start = sum(rss_kib(pid) for pid in pids)
+    rss_start = _server_rss_kib(server)
     hostile = _hostile_bodies()
     generated = _schemathesis_cases(server)
     plan = [(name, method, path, raw, "application/json") for name, method, path, raw in generated]
@@ -256,12 +275,12 @@ def test_hostile_fuzz_tier(fuzz_server, tmp_path):
         with ThreadPoolExecutor(CLIENT_THREADS) as pool:
             for i, _ in enumerate(pool.map(send, plan)):
                 if i % 100 == 0:
-                    rss_peak = max(rss_peak, sum(rss_kib(pid) for pid in pids))
+                    rss_peak = max(rss_peak, _server_rss_kib(server))
     finally:
         probe.stop()
     seconds = time.monotonic() - started
     stats = wait_idle(server, timeout_s=60.0)
-    rss_end = sum(rss_kib(pid) for pid in pids)
+    rss_end = _server_rss_kib(server)
     with server.client() as client:
         assert client.post("/internal/check_integrity").json() == {"ok": True}
 
