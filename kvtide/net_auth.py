@@ -11,7 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
+
+LOOPBACK_NAMES = ("localhost",)
+"""Host names that always mean this machine (besides 127.0.0.0/8 and ::1 literals)."""
+
+
+def is_loopback(hostname: str) -> bool:
+    """`hostname` (no port; an IPv6 literal with or without brackets) names this machine: what
+    decides whether a port is reachable only from here (a name may resolve to any interface)."""
+    name = hostname.strip("[]").lower().rstrip(".")
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
 
 MAC_BYTES = 32
 """Length of a MAC (HMAC-SHA256)."""

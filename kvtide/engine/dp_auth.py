@@ -18,25 +18,15 @@ it. Over any other address, starting without the secret is refused.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import secrets
 import stat
 
-from kvtide.net_auth import sign
+from kvtide.net_auth import is_loopback, sign
 
 SECRET_ENV = "KVTIDE_DP_SECRET"
 COOKIE_NAME = "dp-secret"
 """The loopback deployments' per-user secret, in $KVTIDE_CACHE."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to any interface
 
 
 def data_parallel_secret(host: str) -> bytes:

@@ -18,29 +18,17 @@ middleware applies them.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvtide.net_auth import LOOPBACK_NAMES, is_loopback
+
 ANY = "*"
 """In --allowed-origins or --allowed-hosts: allow every origin or host."""
-LOOPBACK_NAMES = ("localhost",)
-"""Host names that always mean this machine (besides 127.0.0.0/8 and ::1 literals)."""
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
 JSON_MEDIA_TYPE = "application/json"
-
-
-def is_loopback(hostname: str) -> bool:
-    """`hostname` (no port; an IPv6 literal with or without brackets) names this machine."""
-    name = hostname.strip("[]").lower().rstrip(".")
-    if name in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def split_host(host: str) -> tuple[str, int | None]:

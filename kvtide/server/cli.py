@@ -156,7 +156,6 @@ def run_serve(args: argparse.Namespace) -> int:
                          f"would be an admin; give the admin a key of its own")
     chat_template = read_chat_template(args.chat_template)
     request_limits = _request_limits(args, max_body)
-    limits.activate(request_limits)
     allowed_origins, allowed_hosts = _browser_flags(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

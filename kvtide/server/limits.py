@@ -80,20 +80,6 @@ class RequestLimits:
         return CHAT_TEMPLATE_OUTPUT_FACTOR * self.max_request_body
 
 
-_active = RequestLimits()
-
-
-def activate(limits: RequestLimits) -> None:
-    """The server's limits, for the protocol models' count checks that run before validation
-    (set once at start-up by `kvtide serve`)."""
-    global _active
-    _active = limits
-
-
-def active() -> RequestLimits:
-    return _active
-
-
 def describe() -> str:
     """The limits as `kvtide serve --help` prints them."""
     return (f"request limits (400 past each): n <= {MAX_N}, best_of <= {MAX_BEST_OF}, "

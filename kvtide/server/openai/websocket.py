@@ -54,7 +54,9 @@ Create = Callable[[Any, Request], Awaitable[Response]]
 
 @router.websocket("/v1/chat/completions")
 async def chat_completion_websocket(websocket: WebSocket) -> None:
-    await _serve(websocket, ChatCompletionRequest, lambda state: ChatServing(state).create, check_raw_body)
+    state: ServerState = websocket.app.state.kvtide
+    await _serve(websocket, ChatCompletionRequest, lambda state: ChatServing(state).create,
+                 lambda body: check_raw_body(body, state.limits.max_tools))
 
 
 @router.websocket("/v1/completions")

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 
 from kvtide.server import limits
 from kvtide.server.errors import OpenAIError
+from kvtide.server.state import get_state
 
 
 class _Counts(msgspec.Struct):
@@ -28,9 +29,8 @@ class _Counts(msgspec.Struct):
 _decoder = msgspec.json.Decoder(_Counts)
 
 
-def check_counts(tools: int | None, messages: int | None) -> None:
+def check_counts(tools: int | None, messages: int | None, max_tools: int) -> None:
     """400 naming the field when a chat request has more tools or messages than allowed."""
-    max_tools = limits.active().max_tools
     if tools is not None and tools > max_tools:
         raise OpenAIError(f"tools: at most {max_tools} tools, got {tools}", 400, param="tools")
     if messages is not None and messages > limits.MAX_MESSAGES:
@@ -38,13 +38,13 @@ def check_counts(tools: int | None, messages: int | None) -> None:
                           param="messages")
 
 
-def check_raw_body(body: bytes) -> None:
+def check_raw_body(body: bytes, max_tools: int) -> None:
     try:
         counts = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return
     check_counts(None if counts.tools is None else len(counts.tools),
-                 None if counts.messages is None else len(counts.messages))
+                 None if counts.messages is None else len(counts.messages), max_tools)
 
 
 class CountedChatRoute(APIRoute):
@@ -54,7 +54,8 @@ class CountedChatRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def counted(request: Request) -> Response:
-            check_raw_body(await request.body())  # read once: the handler gets the cached bytes
+            # Read once: the handler gets the cached bytes.
+            check_raw_body(await request.body(), get_state(request).limits.max_tools)
             return await handler(request)
 
         return counted

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from kvtide.server.limits import MAX_TOP_LOGPROBS
-from kvtide.server.openai.chat_completions.body_counts import check_counts
 from kvtide.server.openai.common import OpenAIBaseModel, SamplingRequest, UsageInfo
 from kvtide.server.openai.structured import StructuredOutputFields
 
@@ -82,17 +81,6 @@ class ChatCompletionRequest(SamplingRequest, StructuredOutputFields):
     """False: at most one call per answer."""
     include_reasoning: bool = True
     """With --reasoning-parser: false drops reasoning_content from the response."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_lists(cls, data: Any) -> Any:
-        """tools and messages counted before they are validated (for bodies that did not come
-        through the POST route's raw count, e.g. a WebSocket message)."""
-        if isinstance(data, dict):
-            tools, messages = data.get("tools"), data.get("messages")
-            check_counts(len(tools) if isinstance(tools, list) else None,
-                         len(messages) if isinstance(messages, list) else None)
-        return data
 
 
 class ChatLogprob(OpenAIBaseModel):
