@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
-import sys
 from types import FrameType
 from typing import Any
 
@@ -53,10 +51,6 @@ logger = logging.getLogger("kvtide.server")
 
 HEALTH_TIMEOUT_S = 5.0
 """/health waits this long for the engine core to answer between steps."""
-GIL_SWITCH_INTERVAL_S = 0.001
-"""How long a worker thread may hold the GIL before the event loop can take it (Python's default is
-5 ms): a chat template rendering on the render pool is pure Python, and at 5 ms a turn every route,
-/health included, waited up to ~200 ms behind one runaway template."""
 DEAD_ENGINE_LINGER_S = 3.0
 """After the engine dies, keep answering (503) this long before exiting."""
 
@@ -225,7 +219,6 @@ class _Lifecycle:
 
 async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int,
                 log_level: str = "info", spawned: SpawnedEngineCore | None = None) -> int:
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     metrics = ServerMetrics(settings.served_model_names[0])
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics,
                                              engine_timeout_s=settings.engine_timeout or None, spawned=spawned)
@@ -243,10 +236,6 @@ async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int
                                 ws_max_size=settings.max_request_body)
         server = _UvicornServer(config, lifecycle)
         lifecycle.server = server
-        # What start-up built (transformers, the tokenizer, the app) lives as long as the server: kept
-        # out of the collector's full passes, which otherwise walk it all and hold every route.
-        gc.collect()
-        gc.freeze()
         logger.info("serving %s on http://%s:%d", settings.served_model_names[0], host, port)
         await server.serve()
         if engine.is_dead:
