@@ -32,7 +32,7 @@ from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
 from kvtide.sampling.ops import argmax_first
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingType
-from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
+from kvtide.worker.input_batch import CachedRequestState, prepare_step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 """(input_ids, positions, metadata) -> hidden states (T, hidden)."""

@@ -21,7 +21,7 @@ import torch
 
 from kvtide.sampling.ops import argmax_first
 from kvtide.spec_decode.draft_proposer import DraftSequence
-from kvtide.worker.model_runner import CachedRequestState, StepInputs, prepare_step_inputs
+from kvtide.worker.input_batch import CachedRequestState, StepInputs, prepare_step_inputs
 
 
 class EagleProposer:

@@ -33,8 +33,9 @@ from kvtide.spec_decode.draft_proposer import ChainProposer
 from kvtide.spec_decode.ngram import NgramProposer
 from kvtide.spec_decode.parallel import broadcast_drafts, broadcast_emitted
 from kvtide.spec_decode.rejection_sampler import accept_matching, rejection_sample
+from kvtide.worker.cpu_kernels import use_cpu_kernels
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
-from kvtide.worker.model_runner import CachedRequestState, StepInputs, use_cpu_kernels
+from kvtide.worker.input_batch import CachedRequestState, StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from kvtide.sampling_params import SamplingParams
 from kvtide.spec_decode.heads.eagle import EagleDraftModel
 from kvtide.spec_decode.heads.loading import detect_head_method
 from kvtide.spec_decode.heads.medusa import MedusaHeads
-from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
+from kvtide.worker.input_batch import CachedRequestState, prepare_step_inputs
 
 HIDDEN, HEADS, KV_HEADS, INTER, TARGET_LAYERS = 64, 4, 2, 128, 8
 MAX_LEN, BLOCK_SIZE, NUM_BLOCKS, SEQ = 64, 4, 8, 7

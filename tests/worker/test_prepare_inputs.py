@@ -8,7 +8,7 @@ import random
 import torch
 
 from kvtide.sampling_params import SamplingParams
-from kvtide.worker.model_runner import CachedRequestState, prepare_step_inputs
+from kvtide.worker.input_batch import CachedRequestState, prepare_step_inputs
 
 BLOCK_SIZE = 4
 
