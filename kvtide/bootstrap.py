@@ -21,8 +21,11 @@ from kvtide.kv_cache.manager import max_blocks_held
 from kvtide.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
+    from kvtide.worker.distributed_executor import DistributedExecutor
     from kvtide.worker.executor import UniprocExecutor
     from kvtide.worker.memory_profile import MemoryMeter
+
+    Executor = UniprocExecutor | DistributedExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -123,14 +126,24 @@ class _GpuBudget:
         self.allocated_at_start = meter.allocated()
         self.meter = meter
 
-    def kv_cache_memory(self, config: EngineConfig, executor: UniprocExecutor) -> int:
+    def kv_cache_memory(self, config: EngineConfig, executor: Executor) -> int:
         weights = self.meter.allocated() - self.allocated_at_start
         activation_peak = executor.profile_peak_activation_bytes(self.meter)
         return gpu_kv_cache_memory(self.total, config.cache_config.gpu_memory_utilization,
                                    self.used_by_others, weights, activation_peak)
 
 
-def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs):
+def join_replica_expert_group(dp_rank: int, dp_size: int, init_method: str, device: str) -> None:
+    """Join the expert-parallel group of the data-parallel replicas sharing their experts, before
+    this replica's engine is built: its config checks and MoE layers read the group."""
+    from kvtide.devices import uses_cuda
+    from kvtide.distributed import init_replica_expert_group
+
+    backend = "nccl" if uses_cuda(device) else "gloo"
+    init_replica_expert_group(dp_rank, dp_size, init_method, backend)
+
+
+def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs) -> Executor:
     """One process for a single-rank replica; else the configured distributed executor (its
     workers rebuild the config from `args`)."""
     backend = config.parallel_config.distributed_executor_backend
@@ -149,7 +162,25 @@ def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs):
     return UniprocExecutor(config, model_dir)
 
 
+def _start_cpu_kernel_builds(args: EngineArgs) -> None:
+    """On a CPU engine, the compiled layer ops and paged attention (what every CPU model loads unless
+    another attention backend is asked for) built on threads from here on: preparing a GGUF file is
+    single-threaded Python, so on a cold cache the builds take the idle core meanwhile instead of
+    starting after it. The runner adds the quantized linears' build once the checkpoint says."""
+    import torch
+
+    if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
+        return
+    from kvtide.attention import cpu_extension
+    from kvtide.layers import layer_ops
+
+    layer_ops.prebuild()
+    if args.attention_backend in ("auto", "cpu"):
+        cpu_extension.prebuild_attention()
+
+
 def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
+    _start_cpu_kernel_builds(args)
     model_dir = args.resolve_model_dir()
     config = args.create_engine_config(model_dir)
     meter = _gpu_memory_meter(config)

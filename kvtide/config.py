@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the engine and scheduler read these configs without loading torch
+    import torch
 
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
+"""--dtype names -> the torch dtype (its attribute name) each stands for."""
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
     """'auto' means float32 on CPU (bf16 matmuls are slow without AMX) and the checkpoint's dtype on GPU."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(config_dtype, str):
@@ -32,7 +36,13 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class ModelConfig:
     """Local directory or Hugging Face hub id of the checkpoint ('demo' builds a tiny local one)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id; defaults to `model`."""
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = field(default_factory=_float32)
     """Resolved parameter and activation dtype."""
     max_model_len: int = 2048
     """Longest sequence (prompt + output) a request may reach."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -181,25 +180,9 @@ class EngineArgs:
     def resolve_model_dir(self) -> str:
         """A directory the loader reads: a checkpoint directory as it is, a hub id downloaded, a GGUF
         file (or a built-in name) turned into a cached directory whose weights stream from the file."""
-        from kvtide.models.builtin import builtin_model_path
-        from kvtide.models.gguf_checkpoint import is_gguf_file, prepare_gguf_model_dir
+        from kvtide.models.model_dir import resolve_model_dir
 
-        path = builtin_model_path(self.model) or self.model
-        if is_gguf_file(path):
-            return prepare_gguf_model_dir(path, tokenizer_override=self.tokenizer is not None)
-        if os.path.isdir(path):
-            return path
-        if os.path.isfile(path):
-            raise ValueError(f"model {path!r} is a file but not a GGUF (*.gguf) checkpoint; give a GGUF file, "
-                             f"a checkpoint directory or a Hugging Face hub id")
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(self.model, revision=self.revision,
-                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-        except Exception as e:
-            raise ValueError(f"model {self.model!r} is neither a local directory nor a reachable "
-                             f"Hugging Face hub id ({type(e).__name__}: {e})") from e
+        return resolve_model_dir(self.model, self.revision, tokenizer_override=self.tokenizer is not None)
 
     def create_engine_config(self, model_dir: str) -> EngineConfig:
         from transformers import AutoConfig

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvtide.wire_codec import encode
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_STRUCTURED_SPEC_BYTES = 256 * 1024
@@ -350,9 +352,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_wire_object(value: object) -> bool:
-    """A dict the API process's wire encoder (engine/serialization.py) can send to the engine core."""
-    from kvtide.engine.serialization import encode
-
+    """A dict the API process's wire encoder (kvtide/wire_codec.py) can send to the engine core."""
     if not isinstance(value, dict):
         return False
     try:

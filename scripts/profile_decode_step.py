@@ -1,9 +1,11 @@
-"""Where one batch-1 decode step's time goes, on CPU: kernels vs fixed per-op and Python cost.
+"""Where one decode step's time goes, on CPU: kernels vs fixed per-op and Python cost.
 
     python scripts/profile_decode_step.py --model smollm2      # or demo, or a checkpoint directory;
                                                                # no --model: the bench checkpoint
+    python scripts/profile_decode_step.py --batch 64           # 64 requests decoding together
 
-Three measurements of the same warm decode steps (one request, a --prompt-len token prompt, greedy):
+Three measurements of the same warm decode steps (--batch requests, each a --prompt-len token
+prompt, greedy):
 
   1. wall: engine.step() per decode token, no instrumentation (median and quartiles);
   2. timers: an exclusive timer per component (a stack, so each interval is charged to the innermost
@@ -11,6 +13,12 @@ Three measurements of the same warm decode steps (one request, a --prompt-len to
      embedding, the model's Python glue, input preparation, sampling metadata, sampler, the rest of
      the runner, the scheduler/engine core, the output processor. Each timer costs ~0.3 us;
   3. torch.profiler (record_shapes): aten ops per step and the ops with the most self time.
+
+With --compare-input-path OLD.py (a former kvtide/worker/input_batch.py, e.g.
+`git show <rev>:kvtide/worker/input_batch.py > /tmp/old_input_batch.py`), the runner's input path
+alone (the diffs applied, the step's tensors and sampling metadata built, sampled tokens stored) is
+replayed over recorded decode steps, the per-request rebuild of that file against the persistent
+InputBatch, interleaved in one process so machine noise hits both alike.
 
 "Non-kernel" below is the step's wall time less the time inside GEMMs (linear + LM head) and the
 attention backend's forward: norms, rotary, activation, KV writes, glue, input preparation, sampling
@@ -21,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
+import importlib
+import importlib.util
+import itertools
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from kvtide.machine import describe_machine
 
@@ -87,6 +100,7 @@ def instrument(timers: ExclusiveTimers, llm) -> None:
         (llm.engine, "step", "output processor"),
         (llm.engine.core, "step", "scheduler + engine core"),
         (model_runner.ModelRunner, "execute", "runner (other)"),
+        (model_runner.ModelRunner, "_update_states", "update states"),
         (model_runner.ModelRunner, "_prepare_inputs", "prepare_inputs"),
         (metadata.SamplingMetadata, "build", "sampling metadata"),
         (sampler.Sampler, "__call__", "sampler"),
@@ -103,6 +117,9 @@ def instrument(timers: ExclusiveTimers, llm) -> None:
         (backend_cls, "write_kv", "kv write"),
         (backend_cls, "forward", "attention"),
     ]
+    input_batch = importlib.import_module("kvtide.worker.input_batch")
+    if hasattr(input_batch, "InputBatch"):  # the persistent batch's sampling metadata (absent before it)
+        targets.append((input_batch.InputBatch, "sampling_metadata", "sampling metadata"))
     for name in ("cos_sin", "forward", "forward_qk"):
         if hasattr(rotary.RotaryEmbedding, name):
             targets.append((rotary.RotaryEmbedding, name, "rotary"))
@@ -111,15 +128,21 @@ def instrument(timers: ExclusiveTimers, llm) -> None:
             timers.wrap(owner, attr, label)
 
 
-def start_request(llm, prompt_len: int, max_tokens: int, seed: int) -> None:
+def start_requests(llm, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    """`batch` requests with random prompts, stepped until every prompt is computed (the steps
+    measured after are decodes only)."""
     from kvtide.sampling_params import SamplingParams
 
     vocab = llm.model_info.vocab_size
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(3, vocab, size=prompt_len).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.engine.add_request(llm.engine.next_request_id(), {"prompt_token_ids": prompt}, params)
-    llm.engine.step()  # prefill (and the first token)
+    for _ in range(batch):
+        prompt = rng.integers(3, vocab, size=prompt_len).tolist()
+        llm.engine.add_request(llm.engine.next_request_id(), {"prompt_token_ids": prompt}, params)
+    scheduler = llm.engine.core.scheduler
+    while len(scheduler.waiting) or any(r.num_computed_tokens < prompt_len for r in scheduler.running):
+        llm.engine.step()
+    llm.engine.step()  # the last prefill's first token
 
 
 def decode_steps(llm, num: int) -> list[float]:
@@ -131,6 +154,111 @@ def decode_steps(llm, num: int) -> list[float]:
     return times
 
 
+def record_steps(llm, num: int) -> tuple[dict, list[tuple]]:
+    """The runner's request records as the first of `num` decode steps starts, and each step's
+    (SchedulerOutput, sampled tokens), copied."""
+    runner = llm.engine.core.executor.runner
+    original = runner.execute
+    snapshot: dict = {}
+    steps: list[tuple] = []
+
+    def execute(so):
+        if not steps and not snapshot:
+            snapshot.update(copy.deepcopy(runner.requests))
+        out = original(so)
+        steps.append((copy.deepcopy(so), dict(out.sampled_token_ids)))
+        return out
+
+    runner.execute = execute
+    try:
+        decode_steps(llm, num)
+    finally:
+        del runner.execute
+    return snapshot, steps
+
+
+def replay_rebuild(old, snapshot: dict, steps: list[tuple], block_size: int, vocab_size: int) -> list[float]:
+    """The former runner's input path over `steps`: per-request records updated from the diffs, the
+    step rebuilt from them (`old.prepare_step_inputs`), SamplingMetadata.build over row copies."""
+    from kvtide.sampling.metadata import SamplingMetadata
+
+    cpu = torch.device("cpu")
+    requests = {r: old.CachedRequestState(s.request_id, list(s.token_ids), s.num_prompt_tokens, s.sampling_params,
+                                          list(s.block_ids), s.num_computed_tokens, uid=s.uid)
+                for r, s in snapshot.items()}
+    times = []
+    for so, sampled in steps:
+        start = time.perf_counter()
+        for req_id in so.finished_req_ids:
+            requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            requests[new.request_id] = old.CachedRequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens, uid=0)
+        for cached in so.scheduled_cached_reqs:
+            state = requests[cached.request_id]
+            for index in cached.dropped_block_indices:
+                state.block_ids[index] = -1
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)
+        inputs = old.prepare_step_inputs(so.num_scheduled_tokens, requests, block_size, cpu)
+        states = [requests[inputs.order[i]] for i in inputs.sample_rows]
+        SamplingMetadata.build([s.row_state() for s in states], vocab_size, cpu)
+        output = {}
+        for state in states:
+            state.token_ids.append(sampled[state.request_id])
+            output[state.request_id] = sampled[state.request_id]
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def replay_input_batch(snapshot: dict, steps: list[tuple], block_size: int, vocab_size: int) -> list[float]:
+    """The same steps through the persistent InputBatch, as ModelRunner drives it."""
+    from kvtide.scheduler.output import NewRequestData, SchedulerOutput
+    from kvtide.worker.input_batch import InputBatch
+
+    batch = InputBatch(block_size, vocab_size, torch.device("cpu"), max(len(snapshot), 1))
+    batch.update(SchedulerOutput([NewRequestData(s.request_id, s.token_ids, s.num_prompt_tokens, s.sampling_params,
+                                                 s.block_ids, s.num_computed_tokens) for s in snapshot.values()],
+                                 [], {}, 0), iter([s.uid for s in snapshot.values()]))
+    uids = itertools.count(1 << 40)
+    times = []
+    for so, sampled in steps:
+        start = time.perf_counter()
+        batch.update(so, uids)
+        inputs = batch.prepare(so.num_scheduled_tokens)
+        states, _ = batch.sampling_metadata(inputs)
+        tokens = [sampled[s.request_id] for s in states]
+        output = {}
+        for state, token in zip(states, tokens, strict=True):
+            output[state.request_id] = token
+        batch.append_sampled(inputs.batch_rows[inputs.sample_rows], states, tokens)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def compare_input_paths(llm, old_path: str, num_steps: int, rounds: int) -> None:
+    spec = importlib.util.spec_from_file_location("old_input_batch", old_path)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # dataclasses look their module up
+    spec.loader.exec_module(old)
+    snapshot, steps = record_steps(llm, num_steps)
+    runner = llm.engine.core.executor.runner
+    args = (snapshot, steps, runner.block_size, runner.vocab_size)
+    rebuild: list[float] = []
+    persistent: list[float] = []
+    for r in range(rounds):  # alternate which goes first
+        for name in (("rebuild", "persistent") if r % 2 == 0 else ("persistent", "rebuild")):
+            if name == "rebuild":
+                rebuild += replay_rebuild(old, *args)
+            else:
+                persistent += replay_input_batch(*args)
+    a, b = statistics.median(rebuild) * 1e6, statistics.median(persistent) * 1e6
+    print(f"\nrunner input path over {len(steps)} recorded steps x {rounds} rounds, interleaved (median per step): "
+          f"per-request rebuild ({old_path}) {a:.1f} us, persistent InputBatch {b:.1f} us ({b / a - 1:+.0%})")
+
+
 def finish(llm) -> None:
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
@@ -139,6 +267,7 @@ def finish(llm) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="smollm2, demo, a checkpoint dir (default: bench model)")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64, help="decode steps measured per mode")
     parser.add_argument("--profile-steps", type=int, default=8)
@@ -146,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra EngineArgs key=value")
+    parser.add_argument("--compare-input-path", metavar="OLD.py", default=None,
+                        help="a former kvtide/worker/input_batch.py: replay its per-request rebuild against InputBatch")
+    parser.add_argument("--compare-rounds", type=int, default=20)
     args = parser.parse_args(argv)
 
     from kvtide import LLM
@@ -157,15 +289,15 @@ def main(argv: list[str] | None = None) -> int:
         extra[key] = {"true": True, "false": False}.get(value.lower(), value)
     model_dir = resolve_model(args.model)
     print(describe_machine())
-    print(f"model: {model_dir}  dtype {args.dtype}  prompt {args.prompt_len} tokens, batch 1, greedy")
+    print(f"model: {model_dir}  dtype {args.dtype}  prompt {args.prompt_len} tokens, batch {args.batch}, greedy")
     start = time.perf_counter()
     llm = LLM(model=model_dir, dtype=args.dtype, **extra)
     print(f"engine built in {time.perf_counter() - start:.1f} s")
     per_round = args.steps + 4
-    total_tokens = args.rounds * 2 * per_round + args.profile_steps + 8
+    total_tokens = args.rounds * 2 * per_round + args.profile_steps + 8 + (args.steps if args.compare_input_path else 0)
     if args.prompt_len + total_tokens > llm.model_info.max_model_len:
         raise SystemExit("prompt + steps exceed max_model_len")
-    start_request(llm, args.prompt_len, total_tokens, seed=0)
+    start_requests(llm, args.batch, args.prompt_len, total_tokens, seed=0)
     decode_steps(llm, 4)  # warm up
 
     timers = ExclusiveTimers()
@@ -192,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     kernel_labels = ("linear gemm", "lm head", "attention", "fused decode layers")
     kernel = sum(timers.totals.get(k, 0.0) for k in kernel_labels) / steps * 1e3
     print(f"{'(sum)':30s} {accounted * 1e3:8.3f}")
+    runner_labels = ("update states", "prepare_inputs", "sampling metadata", "runner (other)")
+    runner_ms = sum(timers.totals.get(k, 0.0) for k in runner_labels) / steps * 1e3
+    print(f"runner host time (update states + prepare_inputs + sampling metadata + runner (other)): "
+          f"{runner_ms:.3f} ms per step")
     print(f"\nkernel time (linear gemm + lm head + attention; fused decode layers, whose norms, rotary and "
           f"K/V writes run inside): {kernel:.2f} ms; non-kernel: {accounted * 1e3 - kernel:.2f} ms per step")
     timers.unwrap()
@@ -213,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = str(e.input_shapes)[:56]
         print(f"{e.key:28s} {shapes:56s} {e.count / args.profile_steps:10.1f} "
               f"{e.self_cpu_time_total / args.profile_steps / 1e3:12.3f}")
+    if args.compare_input_path:
+        compare_input_paths(llm, args.compare_input_path, args.steps, args.compare_rounds)
     finish(llm)
     return 0
 

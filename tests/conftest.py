@@ -1,17 +1,25 @@
-"""Shared fixtures: tiny seeded Hugging Face checkpoints, built once per test session."""
+"""Shared fixtures: tiny seeded Hugging Face checkpoints, built once per test session; and how the
+suite shares the machine between pytest-xdist workers (below the fixtures)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
+import tempfile
+from typing import Any
 
 import pytest
 import torch
 
 from kvtide.models.demo import make_random_checkpoint
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Each xdist worker gets its share of the cores (a 2-thread OpenMP pool per worker on 2 cores would
+# wait on its partner at every matmul).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 # Helpers other folders share import by module name: serve_helpers (real `kvtide serve` processes)
 # and router_helpers (a real `kvtide router` in front of them).
@@ -69,3 +77,123 @@ def smollm2_llm():
     from kvtide import LLM
 
     return LLM(model="smollm2", device="cpu", dtype="float32", max_model_len=1024, kv_cache_memory="64MiB")
+
+
+# ---- pytest-xdist ---------------------------------------------------------------------------
+# `python -m pytest` runs the suite on two workers (pyproject's addopts: -n 2 --dist loadgroup).
+# What keeps that as safe as one process:
+#   groups    a worker takes a whole file, or a whole directory whose conftest starts its servers
+#             for every test that wants one (so they start once), or every file sharing an
+#             expensive session fixture (so it loads once);
+#   order     the longest groups are handed out first, so no long one is left for the end;
+#   serial    a test marked `serial` (it asserts a wall-clock bound: a latency, a time to exit)
+#             runs alone: the other worker finishes its test and waits.
+
+DIRECTORY_GROUPS = ("reliability", "server", "router")
+"""Folders whose conftest starts, at their first test, the servers all of their tests want."""
+FIXTURE_GROUPS = {"smollm2_hf": "smollm2", "smollm2_llm": "smollm2"}
+"""Session fixtures that take many seconds to build: the files using one run on one worker."""
+LONGEST_FIRST = ("reliability", "server", "tests/test_tokenizer_cache.py", "smollm2",
+                 "tests/spec_decode/test_rejection_sampler.py", "tests/kv_cache/test_state_machine.py",
+                 "router", "tests/distributed/test_tp_quantization.py", "tests/scheduler/test_scheduler.py",
+                 "tests/chat/test_chat_cli.py", "tests/models/test_parallel_parity.py")
+"""Groups handed out first, longest first (as measured; the rest follow in collection order)."""
+SERIAL_ELSEWHERE = (
+    "tests/attention/test_cpu_extension_build.py::test_prebuild_returns_at_once_and_the_first_load_waits",
+    "tests/distributed/test_cluster_auth.py::test_a_non_loopback_rendezvous_needs_the_secret",
+    "tests/distributed/test_data_parallel.py::test_killing_one_replica_kills_the_engine",
+    "tests/distributed/test_ray_executor.py::test_a_stale_cluster_record_is_ignored",
+    "tests/structured_output/test_compile_isolation.py::",
+)
+"""Tests asserting wall-clock bounds in folders whose files this conftest does not mark (prefixes
+of node ids): they run as if marked `serial`."""
+
+
+def _group(item, file_groups: dict[str, str]) -> str:
+    parts = item.path.relative_to(item.config.rootpath).parts
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in DIRECTORY_GROUPS:
+        return parts[1]
+    return file_groups.get(str(item.path), "/".join(parts))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under xdist: mark `SERIAL_ELSEWHERE`, give each test its xdist group (before xdist reads
+    them) and put the longest groups first. A run without xdist keeps its order."""
+    for item in items:
+        if item.nodeid.startswith(SERIAL_ELSEWHERE):
+            item.add_marker(pytest.mark.serial)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    file_groups = {}
+    for item in items:
+        for fixture, group in FIXTURE_GROUPS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                file_groups[str(item.path)] = group
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    groups = {}
+    for item in items:
+        groups[id(item)] = _group(item, file_groups)
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: file order kept
+
+
+_locks: dict[str, Any] = {}
+
+
+def _lock_file(name: str):
+    """This run's lock files, shared by its workers (the run id is theirs alone)."""
+    if name not in _locks:
+        run = os.environ["PYTEST_XDIST_TESTRUNUID"]
+        _locks[name] = open(os.path.join(tempfile.gettempdir(), f"kvtide-pytest-{run}.{name}"), "a")
+    return _locks[name]
+
+
+@contextlib.contextmanager
+def _turn(serial: bool):
+    """A readers-writer lock over the workers: every test holds it shared, a `serial` one alone.
+    The gate is taken on the way in, so a waiting serial test is not starved by the others."""
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        yield
+        return
+    gate, tests = _lock_file("gate"), _lock_file("tests")
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(tests, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(tests, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _turn(item.get_closest_marker("serial") is not None):
+        yield
+
+
+def pytest_sessionfinish(session):
+    """A worker done with its tests removes the lock files (one still running keeps its open ones)."""
+    for lock in _locks.values():
+        lock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock.name)
+    _locks.clear()
+
+
+WORKER_FIGURES: dict = {}
+"""Figures the workers' tests recorded (tests/reliability/conftest.py sends them), for the summary."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    WORKER_FIGURES.update(json.loads(getattr(node, "workeroutput", {}).get("kvtide_figures", "{}")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if WORKER_FIGURES:
+        terminalreporter.section("kvtide reliability figures")
+        for name, value in WORKER_FIGURES.items():
+            terminalreporter.write_line(f"{name}: {json.dumps(value, sort_keys=True)}")

@@ -49,7 +49,14 @@ class AttentionMetadata:
     """Per request row, an id unique to that request's life in the runner: a row with the same uid
     as in the previous step is the same sequence, one token longer (a backend may keep state)."""
     backend_data: dict = field(default_factory=dict)
-    """Per-step tensors a backend derives once and reuses in every layer."""
+    """The backends' own per-step cache: tensors a backend (or an attention layer's own path)
+    derives from this metadata once and reuses in every layer, under a key it owns (e.g.
+    "cpu_row_split"). Nothing else travels through it: data for the layers is a named field."""
+    attention_mass: torch.Tensor | None = None
+    """The score drop policy's accumulator, (num_reqs, max_num_blocks) float32, zeroed each step:
+    every attention layer adds, per request row and block, the softmax weights its queries gave
+    that block's keys, summed over heads and queries (kv_compression/attention_mass.py). None
+    without the policy."""
     has_dropped_blocks: bool = False
     """Some block table entries are -1: blocks the KV drop policy removed, which no query attends
     (their positions keep counting, for rotary embeddings and the causal mask)."""
@@ -171,24 +178,3 @@ def decode_context_layout(md: AttentionMetadata, window: int | None,
             visible &= (pos[None, :] > (seq_lens[:, None] - 1 - window)) | (pos[None, :] < sink_tokens)
         md.backend_data[key] = (block_ids, visible)
     return md.backend_data[key]
-
-
-def get_attention_backend(name: str, kv_quant: KVQuantFormat | None = None) -> AttentionBackend:
-    """Backends by name, imported lazily so CPU installs never import Triton."""
-    if name == "cpu":
-        from kvtide.attention.cpu_backend import CpuAttentionBackend
-
-        return CpuAttentionBackend(kv_quant)
-    if name == "torch":
-        from kvtide.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(kv_quant)
-    if name == "torch_ref":
-        from kvtide.attention.torch_ref import TorchReferenceBackend
-
-        return TorchReferenceBackend(kv_quant)
-    if name == "triton":
-        from kvtide.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
-
-        return TritonAttentionBackend(kv_quant)
-    raise ValueError(f"attention_backend must be one of auto, cpu, torch, torch_ref, triton; got {name!r}")

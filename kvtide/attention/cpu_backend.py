@@ -74,7 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().forward(query, kv_cache, metadata, scale, sliding_window, key, value,
                                    sink_tokens=sink_tokens, kv_scale=kv_scale)
         output = torch.empty_like(query)
-        kernel_runs, other_rows = self._split_rows(metadata)
+        kernel_runs, other_rows = self.split_rows(metadata)
         for run in kernel_runs:
             rows = (output, query, kv_cache, *run, scale, sliding_window or 0)
             if quantized:
@@ -86,8 +86,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
                           sink_tokens=sink_tokens, kv_scale=kv_scale)
         return output
 
+    def float_kernels_loaded(self) -> bool:
+        """Whether a float cache's K/V go through the compiled write_kv and paged_attention ops (the
+        ones layers/fused_decode.py calls from C++): no quantized format here, and the ops built."""
+        return self.kv_quant is None and self._op is not None and self._write_float_op is not None
+
     @staticmethod
-    def _split_rows(md: AttentionMetadata) -> tuple[list[tuple], list[int]]:
+    def split_rows(md: AttentionMetadata) -> tuple[list[tuple], list[int]]:
         """The kernel's runs of consecutive rows, as its (block_tables, seq_lens, query_start_loc,
         num_rows) arguments (row slices; query_start_loc keeps absolute token offsets), and the
         other rows, for SDPA. Built once per step and shared by every layer."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvtide.bench.metrics import RequestRecord
+from kvtide.bench.request_record import RequestRecord
 from kvtide.bench.spec_figures import counter_difference, counters_from_prometheus, spec_decode_figures
 
 

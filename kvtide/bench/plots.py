@@ -7,7 +7,8 @@ import os
 
 import numpy as np
 
-from kvtide.bench.metrics import RequestRecord, in_flight_over_time, throughput_over_time
+from kvtide.bench.metrics import in_flight_over_time, throughput_over_time
+from kvtide.bench.request_record import RequestRecord
 
 
 def _pyplot():

@@ -22,10 +22,8 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvtide.bench.metrics import RequestRecord
+from kvtide.bench.request_record import RequestRecord
 
 SERVER_PREFIXES = ("kvtide:", "vllm:")
 

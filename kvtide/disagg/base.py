@@ -28,12 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtide.disagg.block_io import KVBlockIO
-
-
-@dataclass
-class KVConnectorOutput:
-    finished_sending: set[str] = field(default_factory=set)
-    """Requests whose kept blocks the worker has copied out: the scheduler may free them."""
+from kvtide.scheduler.output import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass
@@ -83,7 +78,7 @@ class KVConnectorScheduler:
     def wants_evictions(self) -> bool:
         return False
 
-    def build_connector_meta(self, scheduler_output, requests: dict) -> Any:
+    def build_connector_meta(self, scheduler_output, requests: dict) -> KVConnectorMetadata:
         raise NotImplementedError
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -111,10 +106,10 @@ class KVConnectorWorker:
     def register_kv_caches(self, block_io: KVBlockIO) -> None:
         self.block_io = block_io
 
-    def start_load_kv(self, metadata: Any) -> None:
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         raise NotImplementedError
 
-    def save_kv(self, metadata: Any) -> KVConnectorOutput | None:
+    def save_kv(self, metadata: KVConnectorMetadata | None) -> KVConnectorOutput | None:
         raise NotImplementedError
 
     def shutdown(self) -> None:

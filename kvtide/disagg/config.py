@@ -3,6 +3,7 @@ names where vLLM has them), parsed and checked before anything starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -108,5 +109,8 @@ def _check(c: KVTransferConfig) -> None:
         raise ValueError(f"redis_ttl_s must be a positive integer or null, got {c.redis_ttl_s!r}")
     if c.kv_connector in ("redis", "multi") and not str(c.redis_url).startswith(("redis://", "rediss://", "unix://")):
         raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+    if c.kv_connector in ("redis", "multi") and importlib.util.find_spec("redis") is None:
+        raise ValueError(f"kv_connector {c.kv_connector!r} needs the redis package, kvtide's redis extra: "
+                         "pip install 'kvtide[redis]' (from a checkout: pip install -e '.[redis]')")
     if c.kv_connector in SIGNED_CONNECTORS:
         c.secret()

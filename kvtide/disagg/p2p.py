@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvtide.disagg.base import ConnectorStats, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
+from kvtide.disagg.base import (
+    ConnectorStats,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from kvtide.disagg.entry import checksum
 from kvtide.engine.request import RequestStatus
 from kvtide.net_auth import hmac_sha256, same_mac
@@ -251,7 +257,7 @@ def _pull_once(host: str, port: int, transfer_id: str, secret: bytes, layout_id:
 
 
 @dataclass
-class P2PMetadata:
+class P2PMetadata(KVConnectorMetadata):
     stages: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
     """(request id, transfer id, block ids, prompt token ids) to copy out, then free."""
     loads: list[tuple[int, bytes]] = field(default_factory=list)

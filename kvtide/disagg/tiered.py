@@ -18,7 +18,13 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from kvtide.disagg.base import ConnectorStats, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
+from kvtide.disagg.base import (
+    ConnectorStats,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from kvtide.disagg.tiers import CPUTier, RedisTier
 
 logger = logging.getLogger(__name__)
@@ -28,7 +34,7 @@ WRITE_QUEUE_BLOCKS = 4096
 
 
 @dataclass
-class TierMetadata:
+class TierMetadata(KVConnectorMetadata):
     evicted: list[tuple[int, bytes]] = field(default_factory=list)
     """(block id, key): published blocks the pool is reusing this step; copied to host memory first."""
     loads: list[tuple[int, bytes]] = field(default_factory=list)

@@ -32,7 +32,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from kvtide.engine.messages import EngineCoreOutput
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
@@ -200,8 +200,9 @@ class BeamSearch:
                 parent_scores.append(beam.score)
                 token_lps.append(lp)
         group.reports.clear()
-        scores_t = torch.tensor(parent_scores, dtype=torch.float32) + torch.tensor(token_lps, dtype=torch.float32)
-        scores = scores_t.tolist()
+        # float32 arithmetic, as HF's beam search does on its tensors: the same scores, ties included
+        scores_f32 = np.asarray(parent_scores, dtype=np.float32) + np.asarray(token_lps, dtype=np.float32)
+        scores = scores_f32.tolist()
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], cand_beam[i], cand_token[i]))
         order = order[:num_candidates]
         new_len = group.prompt_len + group.num_steps + 1
@@ -211,8 +212,8 @@ class BeamSearch:
         # early_stopping=True) k beams have already finished.
         full = len(group.finished) == k
         if group.improvable and not (full and group.params.early_stopping is True):
-            divisor = float((new_len - group.prompt_len) ** group.params.length_penalty)
-            normalized = (scores_t / divisor).tolist()
+            divisor = np.float32((new_len - group.prompt_len) ** group.params.length_penalty)
+            normalized = (scores_f32 / divisor).tolist()
             for rank, i in enumerate(order[:k]):
                 if hits[rank]:
                     beam = group.beams[cand_beam[i]]
@@ -244,7 +245,7 @@ class BeamSearch:
             best_len = group.max_length - group.prompt_len
         else:
             best_len = cur_len - group.prompt_len
-        best_possible = (torch.tensor(best_running, dtype=torch.float32) / float(best_len ** lp)).item()
+        best_possible = float(np.float32(best_running) / np.float32(best_len ** lp))
         worst_finished = min(h.score for h in group.finished)
         group.improvable = group.improvable and best_possible > worst_finished
 

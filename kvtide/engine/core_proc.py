@@ -25,10 +25,12 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from kvtide.child_process import die_with_parent, set_cpu_share
 from kvtide.engine import serialization
 from kvtide.engine.core import EngineCore
 from kvtide.engine.request import RequestStatus
@@ -72,14 +74,12 @@ class EngineCoreProc:
             if self.running and self.core.has_unfinished_requests():
                 self._step()
 
-    def run_in_lockstep(self, group) -> None:
-        """Experts shared across the data-parallel replicas (`group`, one process each): every
-        iteration the replicas agree whether any has work and whether any stops; if one has work all
-        step together (an idle one through its MoE layers with no tokens), and they stop together,
-        so no replica waits forever in an exchange another never enters."""
-        import torch
-
-        flags = torch.zeros(2, dtype=torch.int64)
+    def run_in_lockstep(self, agree: Callable[[bool, bool], tuple[bool, bool]]) -> None:
+        """Experts shared across the data-parallel replicas (one process each): every iteration the
+        replicas agree (`agree`, the executor's: this replica has work / stops -> any has / any stops)
+        whether any has work and whether any stops; if one has work all step together (an idle one
+        through its MoE layers with no tokens), and they stop together, so no replica waits forever
+        in an exchange another never enters."""
         while True:
             busy = self.core.has_unfinished_requests()
             if self.input_socket.poll(0 if busy else _LOCKSTEP_IDLE_POLL_MS):
@@ -90,11 +90,10 @@ class EngineCoreProc:
             if self.head_watch is not None and self.head_watch.check():
                 logger.warning("the data-parallel head disconnected; engine core exits")
                 self.running = False
-            flags[0], flags[1] = int(self.core.has_unfinished_requests()), int(not self.running)
-            group.all_reduce(flags)
-            if flags[1]:
+            any_busy, any_stopping = agree(self.core.has_unfinished_requests(), not self.running)
+            if any_stopping:
                 return
-            if flags[0]:
+            if any_busy:
                 self._step(self.core.step_in_lockstep)
 
     def _parent_alive(self) -> bool:
@@ -193,43 +192,11 @@ class EngineCoreProc:
         if method == "num_steps":
             return self.core.num_steps
         if method == "comm_stats":  # this process's collectives (a replica sharing experts: their exchanges)
-            from kvtide.distributed import COMM_STATS
-
-            return COMM_STATS.snapshot()
+            return self.core.executor.local_comm_stats()
         raise ValueError(f"unknown utility method {method!r}")
 
 
 # ---- process entry -------------------------------------------------------------------------------
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphan engine holding memory)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def set_cpu_share(cpu_affinity: str | None, cpu_threads: int | None) -> None:
-    """Pin this process to its cores and size torch's thread pool, before any model code runs: a
-    data-parallel replica keeps to its share of the machine instead of every replica running one
-    thread per core of the whole node. Worker threads started later (async scheduling) inherit both."""
-    if cpu_affinity and hasattr(os, "sched_setaffinity"):
-        cpus = {int(c) for c in cpu_affinity.split(",") if c.strip()}
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:
-            logger.warning("cannot pin the engine core to CPUs %s (%s); it runs unpinned", cpu_affinity, e)
-    if cpu_threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, cpu_threads))
-
-
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int,
                     remote: Any = None) -> int:
     """Build the engine core and serve it on the two addresses (tcp ones handed over by a remote
@@ -261,17 +228,15 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
             logger.exception("engine core failed to start")
             output_socket.send(serialization.encode(["startup_error", f"{type(e).__name__}: {e}"]))
             return 1
-        if hasattr(core.executor, "on_worker_death"):  # a rank of the replica died: so does the engine
-            core.executor.on_worker_death = lambda reason: os._exit(1)
+        # A rank of the replica died: so does the engine (the API side then reports it dead at once).
+        core.executor.on_worker_death = lambda reason: os._exit(1)
         cache = core.config.cache_config
         ready = dict(dataclasses.asdict(info), num_blocks=cache.num_blocks, block_size=cache.block_size,
                      pid=os.getpid())
         output_socket.send(serialization.encode(["ready", ready]))
         proc = EngineCoreProc(core, input_socket, output_socket, parent_pid, head_watch)
         try:
-            from kvtide.distributed import get_replica_sync_group
-
-            lockstep = get_replica_sync_group()
+            lockstep = core.executor.replica_lockstep()
             if lockstep is None:
                 proc.run()
             else:
@@ -348,11 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     if expert_group is not None:
         if args.dp_rank is None or args.data_parallel_size is None:
             parser.error("--expert-group needs --dp-rank and --data-parallel-size")
-        from kvtide.distributed import init_replica_expert_group
-        from kvtide.engine.dp_client import uses_cuda
+        from kvtide.bootstrap import join_replica_expert_group
 
-        backend = "nccl" if uses_cuda(engine_args.get("device", "auto")) else "gloo"
-        init_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group, backend)
+        join_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group,
+                                  engine_args.get("device", "auto"))
     return run_engine_core(engine_args, input_addr, output_addr, args.parent_pid, remote=grant)
 
 

@@ -27,10 +27,8 @@ only when they share experts (dummy batches on idle replicas, as vLLM's DP + EP)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +41,7 @@ from kvtide.engine.core_client import (
 )
 from kvtide.engine.dp_auth import data_parallel_secret
 from kvtide.engine.dp_balancer import DEFAULT_LOAD_THRESHOLD, DPLoadBalancer
+from kvtide.engine.dp_placement import place_local_replicas
 from kvtide.engine.messages import SchedulerStats
 from kvtide.engine.request import EngineCoreRequest
 
@@ -84,80 +83,6 @@ def check_data_parallel_args(args: Any, headless: bool = False) -> None:
                          f"that serves the API runs ranks 0 ..")
     if headless or (local is not None and local < dp):  # ranks join over TCP: only with the secret
         data_parallel_secret(args.data_parallel_address or "127.0.0.1")
-
-
-@dataclasses.dataclass
-class ReplicaPlacement:
-    """Where one replica runs on this node."""
-
-    rank: int
-    cpu_affinity: list[int] | None = None
-    cpu_threads: int | None = None
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-def _usable_cpus() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def omp_threads_env() -> int | None:
-    with contextlib.suppress(ValueError):
-        value = int(os.environ.get("OMP_NUM_THREADS", ""))
-        if value >= 1:
-            return value
-    return None
-
-
-def uses_cuda(device: str) -> bool:
-    if device == "cpu":
-        return False
-    import torch
-
-    return device == "cuda" or torch.cuda.is_available()
-
-
-def plan_replicas(num_replicas: int, device: str, world_size: int = 1, cpu_threads_per_rank: int | None = None,
-                  cpus: Sequence[int] | None = None, visible_gpus: Sequence[str] | None = None,
-                  omp_threads: int | None = None) -> list[ReplicaPlacement]:
-    """Split this node between the replicas. CPU: consecutive, disjoint core slices (a replica's
-    torch threads then never compete with another's), threads = the slice (or
-    cpu_threads_per_rank, or fewer with OMP_NUM_THREADS). CUDA: world_size GPUs each."""
-    if device == "cuda":
-        gpus = list(visible_gpus or [])
-        needed = num_replicas * world_size
-        if len(gpus) < needed:
-            raise ValueError(f"data_parallel_size={num_replicas} replicas of {world_size} GPU(s) each need "
-                             f"{needed} GPUs; {len(gpus)} are visible")
-        return [ReplicaPlacement(r, env={"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * world_size:(r + 1) * world_size])})
-                for r in range(num_replicas)]
-    cpus = list(cpus if cpus is not None else _usable_cpus())
-    share = len(cpus) // num_replicas
-    placements = []
-    for r in range(num_replicas):
-        if share == 0:  # fewer cores than replicas: they share them all, one thread each
-            placements.append(ReplicaPlacement(r, None, 1))
-            continue
-        threads = cpu_threads_per_rank or share
-        if omp_threads is not None and cpu_threads_per_rank is None:
-            threads = min(threads, omp_threads)
-        # A multi-rank replica splits its slice between its ranks itself.
-        placements.append(ReplicaPlacement(r, cpus[r * share:(r + 1) * share], threads if world_size == 1 else None))
-    if share == 0:
-        logger.warning("%d data-parallel replicas on %d usable CPUs: they share the cores, one torch thread each",
-                       num_replicas, len(cpus))
-    return placements
-
-
-def visible_gpus() -> list[str]:
-    import torch
-
-    count = torch.cuda.device_count()
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None and listed.strip():
-        return [d.strip() for d in listed.split(",") if d.strip()][:count]
-    return [str(i) for i in range(count)]
 
 
 def _expert_group_address(args: Any) -> str | None:
@@ -245,10 +170,7 @@ class DPEngineCoreClient:
         check_data_parallel_args(engine_args)
         num = engine_args.data_parallel_size
         local = engine_args.data_parallel_size_local or num
-        world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-        cuda = uses_cuda(engine_args.device)
-        placements = plan_replicas(local, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
-                                   visible_gpus=visible_gpus() if cuda else None, omp_threads=omp_threads_env())
+        placements = place_local_replicas(engine_args, local)
         replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None,
                                            data_parallel_address=None, data_parallel_rpc_port=None)
         for p in placements:

@@ -53,6 +53,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvtide.engine import serialization
 from kvtide.engine.core_client import EngineCoreClient
 from kvtide.engine.dp_auth import SECRET_ENV, data_parallel_secret, head_proof, join_mac, welcome_mac
+from kvtide.engine.dp_placement import place_local_replicas
 from kvtide.net_auth import new_nonce, same_mac
 from kvtide.private_files import write_args_file
 
@@ -489,14 +490,9 @@ def connect_data_sockets(context: zmq.Context, grant: JoinGrant):
 def run_headless(engine_args: Any, startup_timeout_s: float = 600.0) -> int:
     """`kvtide serve MODEL --headless ...`: start this node's replicas, each joining the head; exit
     when all have exited (the head shut them down or went away). SIGINT/SIGTERM stop them."""
-    from kvtide.engine.dp_client import omp_threads_env, plan_replicas, uses_cuda, visible_gpus
-
     local = engine_args.data_parallel_size_local
     start = engine_args.data_parallel_start_rank
-    world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-    cuda = uses_cuda(engine_args.device)
-    placements = plan_replicas(local, "cuda" if cuda else "cpu", world, engine_args.cpu_threads_per_rank,
-                               visible_gpus=visible_gpus() if cuda else None, omp_threads=omp_threads_env())
+    placements = place_local_replicas(engine_args, local)
     replica_args = engine_args.replace(data_parallel_size=1, data_parallel_size_local=None, data_parallel_start_rank=0,
                                        data_parallel_address=None, data_parallel_rpc_port=None)
     replica_fields = asdict(replica_args)

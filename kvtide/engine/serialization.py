@@ -1,6 +1,7 @@
 """The wire format between the API process and the engine-core process: msgpack via msgspec.
 
-Every message is a msgpack array whose first element names it. Payloads are builtins only (dicts,
+Every message is a msgpack array whose first element names it (the envelope, encode/decode, lives in
+kvtide/wire_codec.py and is re-exported here for the channels that speak it). Payloads are builtins only (dicts,
 lists, numbers, strings), so nothing on either side ever unpickles bytes it received.
 
     API -> core                                    core -> API
@@ -20,27 +21,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import msgspec
-
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest
 from kvtide.sampling_params import SamplingParams
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
+from kvtide.wire_codec import decode as decode  # re-exported: the envelope of every message here
+from kvtide.wire_codec import encode as encode
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "all_stop_token_ids")
-
-
-def encode(message: list[Any]) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode(data: bytes) -> list[Any]:
-    message = _decoder.decode(data)
-    if not isinstance(message, list) or not message or not isinstance(message[0], str):
-        raise ValueError(f"malformed engine message: {message!r:.200}")
-    return message
 
 
 # ---- SamplingParams ----------------------------------------------------------------------------

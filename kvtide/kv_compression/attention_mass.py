@@ -8,16 +8,14 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata, prefill_mask, request_blocks
 
-MASS_KEY = "kv_block_mass"
-"""AttentionMetadata.backend_data key of the step's (num_reqs, max_blocks) float32 mass accumulator."""
-
 
 def accumulate_attention_mass(acc: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                               md: AttentionMetadata, backend, scale: float, window: int | None,
                               sink_tokens: int, kv_scale: torch.Tensor | None) -> None:
-    """Add one layer's attention mass per (request row, block) into acc (num_reqs, max_blocks):
-    the softmax weights each key received from this step's queries, summed over heads and queries,
-    under exactly the mask the backend attended with (causal, window and sinks, dropped blocks)."""
+    """Add one layer's attention mass per (request row, block) into acc (num_reqs, max_blocks), the
+    step's AttentionMetadata.attention_mass: the softmax weights each key received from this step's
+    queries, summed over heads and queries, under exactly the mask the backend attended with
+    (causal, window and sinks, dropped blocks)."""
     qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
     head_dim = query.shape[-1]
     for row in range(md.num_reqs):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionBackend, AttentionMetadata
-from kvtide.kv_compression.attention_mass import MASS_KEY, accumulate_attention_mass
+from kvtide.kv_compression.attention_mass import accumulate_attention_mass
 
 
 class Attention(nn.Module):
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping, self.kv_scale)
         out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v,
                                    sink_tokens=self.sink_tokens, kv_scale=self.kv_scale)
-        mass = metadata.backend_data.get(MASS_KEY)
+        mass = metadata.attention_mass
         if mass is not None:  # the score drop policy: what each cached block received, this layer
             accumulate_attention_mass(mass, q, self.kv_cache, metadata, self.backend, self.scale,
                                       self.sliding_window, self.sink_tokens, self.kv_scale)

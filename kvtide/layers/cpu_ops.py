@@ -15,6 +15,9 @@ with unit stride) go to the torch version, which stays the reference.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import nn
 
@@ -74,18 +77,50 @@ class CpuSiluAndMul(SiluAndMul):
 _REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
     RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding, SiluAndMul: CpuSiluAndMul,
 }
+"""torch layer -> its compiled-op subclass, which overrides only the methods it computes faster."""
+
+
+def _compiled_methods(replacement: type[nn.Module]) -> list[str]:
+    return [name for name, value in vars(replacement).items() if inspect.isfunction(value)]
+
+
+def _runs_methods_of(cls: type, reference: type, names: list[str]) -> bool:
+    return all(getattr(cls, name, None) is getattr(reference, name) for name in names)
+
+
+def runs_compiled_ops(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether `module` is a `base` layer (RMSNorm, RotaryEmbedding or SiluAndMul) that computes
+    through the compiled ops `use_cpu_ops` installed, on the inputs they take: code that calls the
+    ops directly (layers/fused_decode.py) then gives the module's results bit for bit."""
+    replacement = _REPLACEMENTS[base]
+    return isinstance(module, replacement) and _runs_methods_of(type(module), replacement,
+                                                                _compiled_methods(replacement))
+
+
+@functools.cache
+def _compiled_class(cls: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    """`base`'s compiled-op subclass for an instance of `cls`: itself for `base`, else a subclass of
+    both (a model's own subclass of `base` keeps its other methods and its name)."""
+    replacement = _REPLACEMENTS[base]
+    if cls is base:
+        return replacement
+    return type(f"Cpu{cls.__name__}", (replacement, cls), {"__module__": cls.__module__})
 
 
 def use_cpu_ops(model: nn.Module) -> int:
-    """Swap the class of every layer of exactly a torch type above for its compiled-op subclass
-    (same parameters and buffers, same interface); returns how many were swapped, 0 when the ops
-    cannot be built here (the torch versions then run)."""
+    """Swap the class of every layer that computes as a torch type above (that type, or a subclass
+    that leaves the replaced methods alone) for its compiled-op subclass (same parameters and
+    buffers, same interface); returns how many were swapped, 0 when the ops cannot be built here
+    (the torch versions then run). A subclass with a forward of its own, a Triton or an already
+    swapped layer computes otherwise and keeps its class."""
     if not layer_ops.available():
         return 0
     swapped = 0
     for module in model.modules():
-        replacement = _REPLACEMENTS.get(type(module))
-        if replacement is not None:
-            module.__class__ = replacement
+        cls = type(module)
+        base = next((base for base, replacement in _REPLACEMENTS.items() if isinstance(module, base)
+                     and _runs_methods_of(cls, base, _compiled_methods(replacement))), None)
+        if base is not None:
+            module.__class__ = _compiled_class(cls, base)
             swapped += 1
     return swapped

@@ -6,53 +6,98 @@ aten ops a layer around its GEMMs, ~150 us of interpreter time a layer on a Zen 
 same order from one call, so the results are bit-identical to the module path's; this module
 decides where it may run and feeds it.
 
-Where: every layer a plain `LlamaDecoderLayer` (dense gated-SiLU MLP, GQA attention without q/k
-norms, tensor-parallel world size 1) whose four linears each run the panel kernel (cpu_gemm's choice
-at the step's row count) or the weight-only quantized kernel (int8, int4, fp8 bytes, up to its decode
-row limit), the compiled element-wise ops installed (cpu_ops), float32 KV caches written and read by
-the CPU backend's compiled ops. When (per step): every request row is a kernel row (no
-prefill chunk longer than the kernel's query length), no KV drop policy or attention-mass
-bookkeeping, one KV-group layout. Anything else takes the module path, which stays the reference.
+Who: a model declares the decoder layers its forward hands over (`fused_decode_layers()`: the
+standard loop), and each layer declares what it computes (`fused_decode_plan()` -> FusedDecodePlan:
+pre-norm residual blocks, GQA attention without q/k norms, a dense gated MLP), or says why it cannot;
+models/llama.py declares them for the Llama family. Where: tensor-parallel world size 1, each of the
+four linears on the panel kernel (cpu_gemm's choice at the step's row count) or the weight-only
+quantized kernel (int8, int4, fp8 bytes, up to its decode row limit), the compiled element-wise ops
+installed (cpu_ops), float32 KV caches written and read by a backend's compiled float kernels
+(`float_kernels_loaded()`). When (per step): every request row is a kernel row (no prefill chunk
+longer than the kernel's query length), no KV drop policy or attention-mass bookkeeping, one KV-group
+layout. Anything else takes the module path, which stays the reference; a model or layer that cannot
+run fused says why in the log once, at load.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvtide.attention.backend import AttentionMetadata
-from kvtide.attention.cpu_backend import CpuAttentionBackend
 from kvtide.attention.cpu_extension import load_paged_attention
-from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.layers import cpu_gemm, layer_ops
-from kvtide.layers.cpu_ops import CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+from kvtide.layers.activation import SiluAndMul
+from kvtide.layers.cpu_ops import runs_compiled_ops
+from kvtide.layers.norm import RMSNorm
 from kvtide.layers.quantization import cpu_kernels
 from kvtide.layers.quantization.weight_only import DECODE_MAX_ROWS, WeightOnlyMethod
+from kvtide.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
 
+# ---- what a model declares ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedAttention:
+    """GQA attention as decode_layer runs it: one fused projection to q | k | v by head (query
+    heads, then KV heads, then value heads), q and k rotated together, paged attention through
+    `attn` (layers/attention.py: its scale, window, sinks, backend and KV cache), `o_proj`."""
+    qkv_proj: nn.Module
+    o_proj: nn.Module
+    rotary: nn.Module
+    attn: nn.Module
+    num_heads: int
+    """This rank's query heads."""
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class FusedGatedMLP:
+    """down_proj(act(gate_up_proj(x))), act splitting the fused projection into [gate | up]."""
+    gate_up_proj: nn.Module
+    act: nn.Module
+    down_proj: nn.Module
+
+
+@dataclass(frozen=True)
+class FusedDecodePlan:
+    """One decoder layer as decode_layer computes it, declared by the layer's `fused_decode_plan()`:
+
+        first layer: residual = x, x = input_norm(x);  else: residual += x, x = input_norm(residual)
+        x = attention(x);  residual += x, x = post_attention_norm(residual);  x = mlp(x)
+
+    The modules are the layer's own; their weights, kernels and KV caches are read from them."""
+    input_norm: nn.Module
+    post_attention_norm: nn.Module
+    attention: FusedAttention
+    mlp: FusedGatedMLP
+
+
+# ---- running it -------------------------------------------------------------------------------------
 class FusedDecodeLayers:
     """The per-layer arguments `decode_layer` takes, and the per-step check of whether it applies.
     Holds the layers' weights, never their KV caches (which the runner frees and rebinds)."""
 
-    def __init__(self, layers: list[nn.Module], start: int, rows_ok: list[bool]) -> None:
+    def __init__(self, plans: list[FusedDecodePlan], start: int, rows_ok: list[bool]) -> None:
         self.start = start
-        """Index of layers[0] in the model (pipeline stages hold a range)."""
+        """Index of the first planned layer in the model (pipeline stages hold a range)."""
         self.rows_ok = rows_ok
         """rows_ok[r]: every linear runs its fused kernel at r rows (r <= cpu_gemm.MAX_DECODE_ROWS)."""
-        self.attentions = [layer.self_attn.attn for layer in layers]
-        self.layer_weights = [_layer_weights(layer) for layer in layers]
+        self.attentions = [plan.attention.attn for plan in plans]
+        self.layer_weights = [_layer_weights(plan) for plan in plans]
         """Each layer's weights and shapes, in decode_layer's argument order."""
         self._op = layer_ops.layer_op("decode_layer")
-        self._attention_ns = _namespace(load_paged_attention())
+        self._attention_ns = load_paged_attention().default.namespace
         # the quantized library only where a linear runs on it (a float model never builds it)
-        quantized = (cpu_kernels._op("quantized_linear")
-                     if any(linear.quantized is not None for layer in layers for linear in _linears(layer)) else None)
-        self._quantized_ns = _namespace(quantized) if quantized is not None else ""
+        quantized = any(linear.quantized is not None for plan in plans for linear in _linears(plan))
+        self._quantized_ns = (cpu_kernels.op_namespace() or "") if quantized else ""
+        self._said_why_not = False
 
     def step_caches(self, hidden_states: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor] | None:
         """The layers' KV caches where this step can run fused, else None."""
@@ -60,11 +105,18 @@ class FusedDecodeLayers:
         if not (0 < rows < len(self.rows_ok) and self.rows_ok[rows]) or hidden_states.dtype != torch.float32 \
                 or not hidden_states.is_contiguous():
             return None
-        if metadata.groups is not None or metadata.has_dropped_blocks or MASS_KEY in metadata.backend_data:
+        if metadata.groups is not None or metadata.has_dropped_blocks or metadata.attention_mass is not None:
             return None
-        if not all(_attends_fused(attn) for attn in self.attentions):
-            return None
-        runs, others = CpuAttentionBackend._split_rows(metadata)
+        for attn in self.attentions:
+            if attn.kv_cache is None or attn.calculate_kv_scales:  # not bound yet, or scales still to set
+                return None
+            why_not = _cache_unfit(attn)
+            if why_not is not None:
+                if not self._said_why_not:
+                    logger.info("fused decode layers: steps take the module path (%s)", why_not)
+                    self._said_why_not = True
+                return None
+        runs, others = self.attentions[0].backend.split_rows(metadata)
         if others or len(runs) != 1:
             return None
         return [attn.kv_cache for attn in self.attentions]
@@ -74,7 +126,7 @@ class FusedDecodeLayers:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end) over hidden_states (and residual: None before the model's first
         layer), with the caches `step_caches` gave for this step."""
-        (block_tables, seq_lens, query_start_loc, num_rows), = CpuAttentionBackend._split_rows(metadata)[0]
+        (block_tables, seq_lens, query_start_loc, num_rows), = self.attentions[0].backend.split_rows(metadata)[0]
         cos, sin = cos_sin
         op, namespace = self._op, self._attention_ns
         layers = end - self.start
@@ -90,23 +142,19 @@ class FusedDecodeLayers:
         return hidden_states, residual
 
 
-def _namespace(op) -> str:
-    return op._qualified_op_name.split("::")[0]
+def _linears(plan: FusedDecodePlan) -> tuple[nn.Module, ...]:
+    return plan.attention.qkv_proj, plan.attention.o_proj, plan.mlp.gate_up_proj, plan.mlp.down_proj
 
 
-def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
-def _layer_weights(layer: nn.Module) -> tuple:
+def _layer_weights(plan: FusedDecodePlan) -> tuple:
     """decode_layer's arguments from input_norm through intermediate: the norms, then the four
     linears as lists (weight panels or quantized codes, scales, mins, bias, kind, group size)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norm = layer.input_layernorm
-    specs = [_linear_spec(linear) for linear in _linears(layer)]
+    specs = [_linear_spec(linear) for linear in _linears(plan)]
     weights, scales, mins, biases, kinds, groups = (list(column) for column in zip(*specs, strict=True))
-    return (norm.weight, layer.post_attention_layernorm.weight, norm.eps, weights, scales, mins, biases, kinds,
-            groups, attn.num_heads, attn.num_kv_heads, mlp.down_proj.input_size_per_partition)
+    norm = plan.input_norm
+    return (norm.weight, plan.post_attention_norm.weight, norm.eps, weights, scales, mins, biases, kinds,
+            groups, plan.attention.num_heads, plan.attention.num_kv_heads,
+            plan.mlp.down_proj.input_size_per_partition)
 
 
 def _linear_spec(linear: nn.Module) -> tuple:
@@ -132,36 +180,42 @@ def _linear_kernel(linear: nn.Module) -> str | None:
     return None
 
 
-def _attends_fused(attn: nn.Module) -> bool:
-    """The layer's K/V go through the CPU backend's float kernels (as the module path would send them)."""
-    backend, cache = attn.backend, attn.kv_cache
-    return (isinstance(backend, CpuAttentionBackend) and backend.kv_quant is None and backend._op is not None
-            and backend._write_float_op is not None and cache is not None and cache.dtype == torch.float32
-            and cache.dim() == 5 and not attn.calculate_kv_scales)
+def _cache_unfit(attn: nn.Module) -> str | None:
+    """Why the layer's K/V do not go through the compiled float kernels decode_layer calls (as the
+    module path would send them), or None."""
+    loaded = getattr(attn.backend, "float_kernels_loaded", None)
+    if loaded is None or not loaded():
+        return f"the {type(attn.backend).__name__} does not run its KV cache on the compiled float kernels"
+    cache = attn.kv_cache
+    if cache.dtype != torch.float32 or cache.dim() != 5:
+        return "the KV cache is not float32"
+    return None
 
 
-def _eligible(layer: nn.Module, check_linears: bool = True) -> str | None:
-    """Why `layer` cannot run fused, or None (its attention backend and cache are checked per step).
-    check_linears=False: everything but the linears' kernels (before cpu_gemm has planned them)."""
-    from kvtide.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+def _declared_plan(layer: nn.Module) -> FusedDecodePlan | str:
+    declare = getattr(layer, "fused_decode_plan", None)
+    return declare() if declare is not None else f"{type(layer).__name__} declares no fused decode plan"
 
-    if type(layer) is not LlamaDecoderLayer:
-        return f"{type(layer).__name__} is not a dense Llama decoder layer"
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not LlamaAttention or attn.q_norm is not None:
-        return "attention with q/k norms or of another kind"
-    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not CpuSiluAndMul:
+
+def _unfit(plan: FusedDecodePlan | str, check_linears: bool = True) -> str | None:
+    """Why a layer with this declared plan (or this reason) cannot run fused here, or None (its
+    attention backend and cache are checked per step). check_linears=False: everything but the
+    linears' kernels (before cpu_gemm has planned them)."""
+    if isinstance(plan, str):
+        return plan
+    attention, mlp = plan.attention, plan.mlp
+    if not runs_compiled_ops(mlp.act, SiluAndMul):
         return "not a gated-SiLU MLP with the compiled activation"
-    if not (type(layer.input_layernorm) is CpuRMSNorm and type(layer.post_attention_layernorm) is CpuRMSNorm
-            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-            and type(attn.rotary_emb) is CpuRotaryEmbedding):
+    norms = plan.input_norm, plan.post_attention_norm
+    if not (all(runs_compiled_ops(norm, RMSNorm) for norm in norms) and norms[0].eps == norms[1].eps
+            and runs_compiled_ops(attention.rotary, RotaryEmbedding)):
         return "the compiled norms and rotary are not installed"
-    if attn.o_proj.tp.world_size != 1:
+    if attention.o_proj.tp.world_size != 1:
         return "tensor parallel"
-    rotary = attn.rotary_emb
-    if rotary.head_dim != attn.head_dim or rotary.cos_cache.dtype != torch.float32:
+    rotary = attention.rotary
+    if rotary.head_dim != attention.head_dim or rotary.cos_cache.dtype != torch.float32:
         return "rotary over part of the head or not in float32"
-    for linear in _linears(layer) if check_linears else ():
+    for linear in _linears(plan) if check_linears else ():
         kernel = _linear_kernel(linear)
         if kernel is None:
             return "a linear on neither the panel kernel nor the weight-only quantized kernel"
@@ -170,12 +224,12 @@ def _eligible(layer: nn.Module, check_linears: bool = True) -> str | None:
     return None
 
 
-def fused_rows(layers: list[nn.Module]) -> list[bool]:
+def fused_rows(plans: list[FusedDecodePlan]) -> list[bool]:
     """rows_ok[r] for r in 0..MAX_DECODE_ROWS: every linear of every layer runs its fused kernel at
     r rows as the module path would (panels where cpu_gemm chose them; quantized bytes up to the
     weight-only path's decode row limit)."""
     run = cpu_gemm.CANDIDATES["panels"].run
-    linears = [linear for layer in layers for linear in _linears(layer)]
+    linears = [linear for plan in plans for linear in _linears(plan)]
 
     def runs_fused(linear: nn.Module, rows: int) -> bool:
         if linear.quantized is not None:
@@ -186,10 +240,9 @@ def fused_rows(layers: list[nn.Module]) -> list[bool]:
             for rows in range(cpu_gemm.MAX_DECODE_ROWS + 1)]
 
 
-def _llama_forward(model: nn.Module) -> bool:
-    from kvtide.models.llama import LlamaForCausalLM
-
-    return isinstance(model, LlamaForCausalLM) and type(model).forward is LlamaForCausalLM.forward
+def _declared_layers(model: nn.Module) -> tuple[int, list[nn.Module]] | str:
+    declare = getattr(model, "fused_decode_layers", None)
+    return declare() if declare is not None else f"{type(model).__name__} declares no decoder layers to fuse"
 
 
 def _switched_on() -> bool:
@@ -200,32 +253,42 @@ def fusable_linears(model: nn.Module) -> list[nn.Module]:
     """The decoder layers' linears where `model`'s layers could run fused once those are on the
     panel or the quantized kernel (after cpu_ops.use_cpu_ops), else []: the layers cpu_gemm should
     give panels at decode rows."""
-    if not (_llama_forward(model) and _switched_on()):
+    declared = _declared_layers(model)
+    if isinstance(declared, str) or not _switched_on():
         return []
-    layers = list(model.layers[model.start_layer:model.end_layer])
-    if not layers or any(_eligible(layer, check_linears=False) is not None for layer in layers):
+    _, layers = declared
+    plans = [_declared_plan(layer) for layer in layers]
+    if not plans or any(_unfit(plan, check_linears=False) is not None for plan in plans):
         return []
-    return [linear for layer in layers for linear in _linears(layer)]
+    return [linear for plan in plans if not isinstance(plan, str) for linear in _linears(plan)]
 
 
 def use_fused_decode(model: nn.Module) -> bool:
-    """Give `model` FusedDecodeLayers where it is a Llama-family model whose every layer is eligible
-    (after cpu_gemm.prepack_weights and cpu_ops.use_cpu_ops); returns whether it did. Off with
-    KVTIDE_FUSED_DECODE=0."""
-    if not _llama_forward(model):
-        return False
-    model.fused_decode = None
+    """Give `model` FusedDecodeLayers where it declares its decoder layers and every one of them
+    declares a plan that runs here (after cpu_gemm.prepack_weights and cpu_ops.use_cpu_ops); returns
+    whether it did, and logs why not once. Off with KVTIDE_FUSED_DECODE=0."""
+    declared = _declared_layers(model)
+    if hasattr(model, "fused_decode_layers"):
+        model.fused_decode = None
     if not _switched_on():
         return False
-    layers = list(model.layers[model.start_layer:model.end_layer])
-    reasons = {why for layer in layers if (why := _eligible(layer)) is not None}
+    start, layers = (0, []) if isinstance(declared, str) else declared
+    reasons = {declared} if isinstance(declared, str) else set()
+    plans: list[FusedDecodePlan] = []
+    for layer in layers:
+        plan = _declared_plan(layer)
+        why_not = _unfit(plan)
+        if why_not is not None:
+            reasons.add(why_not)
+        elif not isinstance(plan, str):
+            plans.append(plan)
     if load_paged_attention() is None:
         reasons.add("no compiled attention kernel")
-    rows_ok = fused_rows(layers) if layers and not reasons else []
+    rows_ok = fused_rows(plans) if plans and not reasons else []
     if not any(rows_ok):
-        logger.info("fused decode layers: off (%s)", "; ".join(sorted(reasons)) or "no row count runs the panel "
-                    "or quantized kernel on every linear")
+        logger.info("fused decode layers: off for %s (%s)", type(model).__name__, "; ".join(sorted(reasons))
+                    or "no row count runs the panel or quantized kernel on every linear")
         return False
-    model.fused_decode = FusedDecodeLayers(layers, model.start_layer, rows_ok)
+    model.fused_decode = FusedDecodeLayers(plans, start, rows_ok)
     logger.info("fused decode layers: on at %s rows", ", ".join(str(r) for r, ok in enumerate(rows_ok) if ok))
     return True

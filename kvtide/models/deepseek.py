@@ -107,8 +107,7 @@ class DeepseekMLAAttention(nn.Module):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    cuda_graph_safe = False
-    """MLA attention is eager torch code that reads per-step host lists: no decode CUDA graphs."""
+    cuda_graph_blocker = "MLA attention is eager torch code that reads per-step host lists"
     version = 2
 
     def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:

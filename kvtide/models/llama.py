@@ -18,6 +18,7 @@ from kvtide.kv_compression.scales import load_checkpoint_kv_scale
 from kvtide.layers.activation import SiluAndMul
 from kvtide.layers.attention import Attention
 from kvtide.layers.embedding import LMHead, VocabEmbedding
+from kvtide.layers.fused_decode import FusedAttention, FusedDecodePlan, FusedGatedMLP
 from kvtide.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -29,6 +30,12 @@ from kvtide.layers.norm import RMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
 
 
+def keeps_methods(module: nn.Module, cls: type, *names: str) -> bool:
+    """Whether `module`'s class runs `cls`'s own methods `names` (a subclass or a renamed copy of
+    `cls` that left them alone): then what `cls` declares about them holds for `module` too."""
+    return all(getattr(type(module), name, None) is getattr(cls, name) for name in names)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -38,6 +45,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def fused_decode_mlp(self) -> FusedGatedMLP | str:
+        """This MLP as layers/fused_decode.py runs it, or why it cannot (a subclass that changes
+        forward computes something the fused kernel does not)."""
+        if not keeps_methods(self, LlamaMLP, "forward"):
+            return f"{type(self).__name__} changes the gated MLP's forward"
+        return FusedGatedMLP(self.gate_up_proj, self.act_fn, self.down_proj)
 
 
 class LlamaAttention(nn.Module):
@@ -74,6 +88,16 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb.forward_qk(cos_sin, heads[:, :qk_heads], self.num_heads)
         return self.o_proj(self.attn(q, k, v, metadata))
 
+    def fused_decode_attention(self) -> FusedAttention | str:
+        """This attention as layers/fused_decode.py runs it, or why it cannot: the fused kernel
+        rotates q and k straight from the projection, so per-head q/k norms between them rule it out."""
+        if not keeps_methods(self, LlamaAttention, "forward"):
+            return f"{type(self).__name__} changes the attention's forward"
+        if self.q_norm is not None:
+            return "attention with q/k norms"
+        return FusedAttention(self.qkv_proj, self.o_proj, self.rotary_emb, self.attn, self.num_heads,
+                              self.num_kv_heads, self.head_dim)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
@@ -98,6 +122,26 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(cos_sin, hidden_states, metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def fused_decode_plan(self) -> FusedDecodePlan | str:
+        """This layer as one compiled call at decode (layers/fused_decode.py), or why it cannot be:
+        its attention and MLP each declare their fused form (`fused_decode_attention`,
+        `fused_decode_mlp`); an MoE block or latent attention declares none."""
+        if not keeps_methods(self, LlamaDecoderLayer, "forward"):
+            return f"{type(self).__name__} changes the decoder layer's forward"
+        declare_attention = getattr(self.self_attn, "fused_decode_attention", None)
+        if declare_attention is None:
+            return f"{type(self.self_attn).__name__} is not GQA attention with rotary embeddings"
+        declare_mlp = getattr(self.mlp, "fused_decode_mlp", None)
+        if declare_mlp is None:
+            return f"{type(self.mlp).__name__} is not a dense gated MLP"
+        attention = declare_attention()
+        if isinstance(attention, str):
+            return attention
+        mlp = declare_mlp()
+        if isinstance(mlp, str):
+            return mlp
+        return FusedDecodePlan(self.input_layernorm, self.post_attention_layernorm, attention, mlp)
 
 
 class OtherStageLayer(nn.Module):
@@ -124,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     fused_decode = None
     """On the CPU, the decoder layers in one compiled call each for decode steps (layers/fused_decode.py)."""
+    cuda_graph_blocker: str | None = None
+    """Why a decode step's forward pass cannot be captured as a CUDA graph (it reads per-step host
+    values), or None: it can. Read through `cuda_graph_unsupported()`."""
     # checkpoint name -> (fused parameter name, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -156,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed_tokens)
         if pp.world_size > 1:
-            self.cuda_graph_safe = False  # a stage's input may be the previous stage's activations
+            self.cuda_graph_blocker = "pipeline parallel: a stage's input may be the previous stage's activations"
 
     # ---- hooks for the decoders built on this one ------------------------------------------
     def attention_biases(self, config) -> tuple[bool, bool]:
@@ -194,6 +241,24 @@ class LlamaForCausalLM(nn.Module):
         for fused, shard in self.packed_modules_mapping.values():
             shards_of.setdefault(fused, set()).add(shard)
         return shards_of
+
+    # ---- what the engine's fast paths may do with this model --------------------------------
+    def fused_decode_layers(self) -> tuple[int, list[nn.Module]] | str:
+        """(index of the first, this stage's decoder layers): the layers `forward` hands to
+        `self.fused_decode` at decode (layers/fused_decode.py asks each for its plan), or why it
+        may not: a subclass with a forward of its own does not run that loop."""
+        if not keeps_methods(self, LlamaForCausalLM, "forward"):
+            return f"{type(self).__name__} has a forward of its own"
+        return self.start_layer, list(self.layers[self.start_layer:self.end_layer])
+
+    def cuda_graph_unsupported(self) -> str | None:
+        """Why decode steps cannot replay a captured CUDA graph (worker/cuda_graph.py), or None."""
+        return self.cuda_graph_blocker
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether decode steps may be captured as CUDA graphs: `cuda_graph_unsupported()` is None."""
+        return self.cuda_graph_unsupported() is None
 
     def attention_layers(self) -> list[Attention]:
         """This stage's attention layers, in order."""

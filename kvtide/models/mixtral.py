@@ -17,7 +17,7 @@ class MixtralForCausalLM(MistralForCausalLM):
         experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                            config.intermediate_size, renormalize=True)
         if experts.dispatcher is not None:
-            self.cuda_graph_safe = False  # expert parallelism's dispatch reads its row counts on the host
+            self.cuda_graph_blocker = "expert parallelism's dispatch reads its row counts on the host"
         return SparseMoeBlock(experts, config.hidden_size)
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -33,7 +33,7 @@ class _QwenMoeMixin:
                            config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                            weights_in_logits_dtype=True)
         if experts.dispatcher is not None:
-            self.cuda_graph_safe = False  # expert parallelism's dispatch reads its row counts on the host
+            self.cuda_graph_blocker = "expert parallelism's dispatch reads its row counts on the host"
         shared = None
         if self.shared_expert and config.shared_expert_intermediate_size:
             shared = SharedExpertMLP(config.hidden_size, config.shared_expert_intermediate_size)

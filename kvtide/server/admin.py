@@ -18,8 +18,7 @@ import hmac
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtide.server.errors import OpenAIError
-from kvtide.server.middleware import (
+from kvtide.server.asgi import (
     ADMIN_SCOPE_KEY,
     WS_CLOSE_POLICY,
     Receive,
@@ -30,6 +29,7 @@ from kvtide.server.middleware import (
     reject_websocket,
     send_error,
 )
+from kvtide.server.errors import OpenAIError
 
 if TYPE_CHECKING:
     from kvtide.server.state import ServerSettings

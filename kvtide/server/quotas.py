@@ -65,8 +65,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from kvtide.server.errors import OpenAIError
-from kvtide.server.middleware import (
+from kvtide.server.asgi import (
     ADMIN_SCOPE_KEY,
     WS_CLOSE_POLICY,
     WS_CLOSE_TRY_AGAIN_LATER,
@@ -79,6 +78,7 @@ from kvtide.server.middleware import (
     reject_websocket,
     send_error,
 )
+from kvtide.server.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 

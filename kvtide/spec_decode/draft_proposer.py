@@ -23,16 +23,21 @@ accepted. Without one (layer skip), every draft is the argmax.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvtide.config import EngineConfig
+from kvtide.models.loader import load_model
 from kvtide.sampling.metadata import RowState, SamplingMetadata, step_seed
 from kvtide.sampling.ops import argmax_first
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingType
-from kvtide.worker.input_batch import CachedRequestState, prepare_step_inputs
+from kvtide.spec_decode.proposer import Proposer, ProposerInput, RequestView, TargetStep
+from kvtide.worker.cpu_kernels import use_cpu_kernels
+from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
+from kvtide.worker.input_batch import prepare_step_inputs
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 """(input_ids, positions, metadata) -> hidden states (T, hidden)."""
@@ -44,11 +49,14 @@ class DraftSequence:
 
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]
+    block_ids: Sequence[int]
     uid: int
 
 
-class ChainProposer:
+class ChainProposer(Proposer):
+    """The catch-up and chain passes above, for any forward function over the paged KV cache;
+    the methods below say which model runs them."""
+
     def __init__(self, forward: Forward, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                  block_size: int, device: torch.device, catch_up: bool, sampler: Sampler | None, vocab_size: int,
                  seed: int = 0) -> None:
@@ -72,9 +80,10 @@ class ChainProposer:
         self._fed: dict[str, int] = {}
         """request id -> drafts the last chain fed back (their KV holds if they are accepted)."""
 
-    def propose(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
-        """rows: (request state, drafts wanted k >= 1); the state's last token is x, at position
-        state.num_computed_tokens. Returns k drafts per request."""
+    def propose(self, batch: ProposerInput) -> dict[str, list[int]]:
+        """k drafts per request (k: its draft slots); a request's last token is x, at position
+        num_computed_tokens."""
+        rows = batch.rows
         seqs: dict[str, DraftSequence] = {}
         num_sched: dict[str, int] = {}
         wanted: dict[str, int] = {}
@@ -109,7 +118,7 @@ class ChainProposer:
             num_sched = next_sched
         return drafts
 
-    def _sample_random_rows(self, logits: torch.Tensor, req_ids: list[str], states: dict[str, CachedRequestState],
+    def _sample_random_rows(self, logits: torch.Tensor, req_ids: list[str], states: dict[str, RequestView],
                             drafts: dict[str, list[int]], tokens: list[int]) -> None:
         """Replace the argmax of sampled requests' rows by a draw from q, keeping q."""
         rows = [i for i, r in enumerate(req_ids) if states[r].sampling_params.sampling_type != SamplingType.GREEDY]
@@ -135,13 +144,17 @@ class ChainProposer:
             tokens[i] = drawn[j]
             self.draft_probs.setdefault(req_ids[i], []).append(q[j])
 
-    def verified(self, request_id: str, num_accepted: int) -> None:
-        """After verification: the fed-back drafts that were accepted hold valid draft KV too."""
-        if request_id in self._fed and request_id in self._computed:
-            uid, done = self._computed[request_id]
-            self._computed[request_id] = (uid, done + min(num_accepted, self._fed.pop(request_id)))
+    def draft_distribution(self, request_id: str) -> list[torch.Tensor] | None:
+        return self.draft_probs.get(request_id)
 
-    def _draft_computed(self, state: CachedRequestState) -> int:
+    def observe(self, step: TargetStep) -> None:
+        """After verification: the fed-back drafts that were accepted hold valid draft KV too."""
+        for req_id, emitted in step.emitted.items():
+            if emitted and step.drafts.get(req_id) and req_id in self._fed and req_id in self._computed:
+                uid, done = self._computed[req_id]
+                self._computed[req_id] = (uid, done + min(len(emitted) - 1, self._fed.pop(req_id)))
+
+    def _draft_computed(self, state: RequestView) -> int:
         uid, done = self._computed.get(state.request_id, (-1, 0))
         return min(done, state.num_computed_tokens) if uid == state.uid else 0
 
@@ -149,3 +162,53 @@ class ChainProposer:
         for req_id in request_ids:
             self._computed.pop(req_id, None)
             self._fed.pop(req_id, None)
+
+
+class DraftModelProposer(ChainProposer):
+    """A smaller checkpoint sharing the target's tokenizer, with KV of its own in the target's
+    block tables; a sampled request's drafts are drawn from its processed distribution q."""
+
+    def __init__(self, draft_model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+        self.draft_model = draft_model
+        self.draft_graphs: DecodeCudaGraphs | None = None
+        """The draft's decode CUDA graphs: its chain steps (one token per row) replay them."""
+        mc = config.model_config
+        super().__init__(self._draft_forward, draft_model.compute_logits, config.cache_config.block_size, device,
+                         catch_up=True, sampler=Sampler(mc.seed), vocab_size=mc.hf_config.vocab_size, seed=mc.seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: torch.nn.Module, device: torch.device) -> DraftModelProposer:
+        spec, mc = config.speculative_config, config.model_config
+        assert spec is not None
+        draft_model = load_model(spec.model, spec.draft_hf_config, mc.dtype, mc.max_model_len, str(device))
+        if device.type == "cpu":
+            use_cpu_kernels(draft_model, config.device_config.cpu_weight_prepack)
+        return cls(draft_model, config, device)
+
+    def attention_layers(self) -> list:
+        return self.draft_model.attention_layers()
+
+    def capture_graphs(self, config: EngineConfig) -> None:
+        """CUDA with the Triton backend (a no-op elsewhere); catch-up passes run eagerly."""
+        self.draft_graphs = maybe_capture_decode_graphs(self.draft_model, config, self.device)
+
+    def _draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+        return run_model(self.draft_model, self.draft_graphs, input_ids, positions, metadata)
+
+
+class LayerSkipProposer(ChainProposer):
+    """The target's own first num_layers layers, then its final norm and LM head (an early exit),
+    reading and writing the target's KV of those layers. Its drafts are one-hot (argmax), so a
+    seeded request keeps its non-speculative tokens."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: torch.nn.Module, device: torch.device) -> LayerSkipProposer:
+        spec = config.speculative_config
+        assert spec is not None
+        num_layers = spec.num_layers
+
+        def early_exit(input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
+            return target(input_ids, positions, metadata, num_layers=num_layers)
+
+        return cls(early_exit, target.compute_logits, config.cache_config.block_size, device, catch_up=False,
+                   sampler=None, vocab_size=config.model_config.hf_config.vocab_size)

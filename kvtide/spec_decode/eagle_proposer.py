@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from kvtide.config import EngineConfig
 from kvtide.sampling.ops import argmax_first
 from kvtide.spec_decode.draft_proposer import DraftSequence
-from kvtide.worker.input_batch import CachedRequestState, StepInputs, prepare_step_inputs
+from kvtide.spec_decode.heads.eagle import EagleDraftModel
+from kvtide.spec_decode.proposer import Proposer, ProposerInput, TargetStep
+from kvtide.worker.input_batch import prepare_step_inputs
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
+    """EAGLE-1 or EAGLE-3 (the head's method), proposing argmax drafts."""
+
     def __init__(self, head: torch.nn.Module, target: torch.nn.Module, block_size: int,
                  device: torch.device) -> None:
         self.head = head
@@ -36,17 +41,32 @@ class EagleProposer:
         self._last: dict[str, tuple[int, torch.Tensor]] = {}
         """request id -> (runner uid, the head's output at its last known position)."""
 
-    def observe(self, inputs: StepInputs, hidden: torch.Tensor, requests: dict[str, CachedRequestState],
-                num_verified: dict[str, int]) -> None:
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: torch.nn.Module, device: torch.device) -> EagleProposer:
+        spec, mc = config.speculative_config, config.model_config
+        assert spec is not None
+        head = EagleDraftModel.from_pretrained(spec.model, spec.method, target, mc.hf_config, mc.max_model_len,
+                                               mc.dtype, device)
+        return cls(head, target, config.cache_config.block_size, device)
+
+    def attention_layers(self) -> list:
+        return self.head.attention_layers()
+
+    def observe(self, step: TargetStep) -> None:
         """After a target step: the head's pairs for the positions each row verified (its tokens up
         to the last accepted one; the state's token ids already end with the step's new token)."""
-        features = torch.cat(self.target.aux_hidden_states, dim=-1) if self.head.method == "eagle3" else hidden
+        inputs, requests = step.inputs, step.requests
+        features = torch.cat(self.target.aux_hidden_states, dim=-1) if self.head.method == "eagle3" else step.hidden
         qsl = inputs.metadata.query_start_loc_cpu
         seqs: dict[str, DraftSequence] = {}
         num_sched: dict[str, int] = {}
         first_token: dict[str, int] = {}
         for i, req_id in enumerate(inputs.order):
-            n = num_verified.get(req_id, 0)
+            # the row's tokens before its drafts are known; of a sampling row's drafts, the accepted
+            # ones (its last emitted token is not computed yet); a failed row verified nothing
+            known = qsl[i + 1] - qsl[i] - len(step.drafts.get(req_id, ()))
+            emitted = step.emitted.get(req_id)
+            n = known if emitted is None else (known + len(emitted) - 1 if emitted else 0)
             if n <= 0:
                 continue
             state = requests[req_id]
@@ -67,8 +87,8 @@ class EagleProposer:
             req_id = head_inputs.order[row]
             self._last[req_id] = (seqs[req_id].uid, feature)
 
-    def propose(self, rows: list[tuple[CachedRequestState, int]]) -> dict[str, list[int]]:
-        ready = [(state, k) for state, k in rows if self._last.get(state.request_id, (-1, None))[0] == state.uid]
+    def propose(self, batch: ProposerInput) -> dict[str, list[int]]:
+        ready = [(state, k) for state, k in batch.rows if self._last.get(state.request_id, (-1, None))[0] == state.uid]
         if not ready:
             return {}
         features = torch.stack([self._last[state.request_id][1] for state, _ in ready])

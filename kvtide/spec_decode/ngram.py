@@ -11,16 +11,31 @@ is where this pays:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvtide.config import EngineConfig
+from kvtide.spec_decode.proposer import Proposer, ProposerInput
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose_one(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: torch.nn.Module, device: torch.device) -> NgramProposer:
+        spec = config.speculative_config
+        assert spec is not None
+        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def propose(self, batch: ProposerInput) -> dict[str, list[int]]:
+        return {request.request_id: self.propose_one(request.token_ids, k) for request, k in batch.rows}
+
+    def propose_one(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
         """Up to k draft tokens continuing `token_ids`; [] when no suffix n-gram recurs."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         length = len(tokens)

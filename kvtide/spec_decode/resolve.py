@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 
+from kvtide.models.model_dir import resolve_model_dir
 from kvtide.spec_decode.config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     SpeculativeConfig,
@@ -33,9 +34,7 @@ def resolve_speculative_config(value: str | dict | None, target_hf_config, model
         return dataclasses.replace(spec, draft_cost=spec.draft_cost if spec.draft_cost is not None else cost)
     if spec.method == "ngram":
         return dataclasses.replace(spec, draft_cost=spec.draft_cost or 0.0)
-    from kvtide.engine_args import EngineArgs
-
-    draft_dir = EngineArgs(model=spec.model).resolve_model_dir()
+    draft_dir = resolve_model_dir(spec.model)
     if spec.method != "draft_model":
         return _resolve_head(spec, draft_dir, target_hf_config)
     from transformers import AutoConfig

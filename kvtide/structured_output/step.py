@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtide.structured_output.grammar import RequestGrammar
+
 
 @dataclass
 class GrammarStep:
-    grammars: dict
-    """request id -> RequestGrammar, for the constrained requests sampling this step."""
+    grammars: dict[str, RequestGrammar]
+    """request id -> its matcher, for the constrained requests sampling this step."""
     vocab_size: int
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     """request id -> its tokens as the scheduler holds them (what the runner will hold this step):

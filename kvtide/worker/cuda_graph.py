@@ -160,11 +160,16 @@ def maybe_capture_decode_graphs(model: nn.Module, config: EngineConfig,
                                 device: torch.device) -> DecodeCudaGraphs | None:
     """Capture on CUDA with the Triton backend unless enforce_eager; call after the KV caches are
     bound (the graphs bake in their addresses). A model whose forward reads per-step host values
-    (`cuda_graph_safe = False`: MLA attention) runs eagerly, as do layer groups with tables of their
-    own (kv_cache/hybrid.py: the graph's buffers hold one table)."""
+    (its `cuda_graph_unsupported()` says why: MLA attention, expert-parallel dispatch) runs eagerly,
+    as do layer groups with tables of their own (kv_cache/hybrid.py: the graph's buffers hold one table)."""
     dc = config.device_config
-    if device.type != "cuda" or dc.attention_backend != "triton" or dc.enforce_eager \
-            or not getattr(model, "cuda_graph_safe", True) or config.cache_config.kv_cache_groups:
+    if device.type != "cuda" or dc.attention_backend != "triton" or dc.enforce_eager:
+        return None
+    why_not = _cuda_graph_blocker(model)
+    if why_not is None and config.cache_config.kv_cache_groups:
+        why_not = "KV-cache groups with block tables of their own"
+    if why_not is not None:
+        logger.info("decode CUDA graphs: off (%s)", why_not)
         return None
     graphs = DecodeCudaGraphs(model, config.cache_config.block_size, config.scheduler_config.max_num_seqs,
                               config.model_config.max_model_len, device)
@@ -173,6 +178,13 @@ def maybe_capture_decode_graphs(model: nn.Module, config: EngineConfig,
     logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.sizes,
                 time.perf_counter() - start)
     return graphs
+
+
+def _cuda_graph_blocker(model: nn.Module) -> str | None:
+    """Why `model`'s decode forward cannot be captured, as its `cuda_graph_unsupported()` declares;
+    a model that declares nothing reads no host values per step (None)."""
+    declared = getattr(model, "cuda_graph_unsupported", None)
+    return declared() if declared is not None else None
 
 
 def run_model(model: nn.Module, graphs: DecodeCudaGraphs | None, input_ids: torch.Tensor,

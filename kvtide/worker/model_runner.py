@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> flat tensors -> model -> sampler -> ModelRunnerOutput.
 
-It keeps a copy of each running request's tokens and block table (new requests arrive in full,
-running ones as diffs) and makes no policy decisions: it computes exactly what it is told.
+It keeps each running request's tokens, block table and sampling parameters in a persistent input
+batch (worker/input_batch.py: new requests arrive in full, running ones as diffs) and makes no
+policy decisions: it computes exactly what it is told.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ import logging
 
 import torch
 
-from kvtide.attention.backend import AttentionMetadata, get_attention_backend
+from kvtide.attention.backend import AttentionMetadata
+from kvtide.attention.registry import get_attention_backend
 from kvtide.config import EngineConfig
 from kvtide.distributed import get_pp_group, get_tp_group
 from kvtide.kv_cache.hybrid import num_slots, stage_slots
-from kvtide.kv_compression.attention_mass import MASS_KEY
 from kvtide.kv_compression.formats import KVQuantFormat, kv_bytes_per_token, resolve_kv_cache_dtype
 from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.cache_dir import check_triton_cache
 from kvtide.models.loader import load_model
-from kvtide.sampling.metadata import SamplingMetadata
 from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ from kvtide.testing.faults import FAULTS  # test-only fault injection, None unle
 from kvtide.worker.cpu_allocator import collapse_in_background, keep_large_allocations_on_heap
 from kvtide.worker.cpu_kernels import use_cpu_kernels
 from kvtide.worker.cuda_graph import DecodeCudaGraphs, maybe_capture_decode_graphs, run_model
-from kvtide.worker.input_batch import CachedRequestState, StepInputs, prepare_step_inputs
+from kvtide.worker.input_batch import CachedRequestState, InputBatch, StepInputs, prepare_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,10 @@ class ModelRunner:
         """The dtype of the cache tensors (uint8: a quantized format's bytes)."""
         self.attention_backend = get_attention_backend(config.device_config.attention_backend, kv_quant)
         self.sampler = Sampler(mc.seed)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.block_size, self.vocab_size, self.device,
+                                      config.scheduler_config.max_num_seqs, mc.max_model_len)
+        self.requests: dict[str, CachedRequestState] = self.input_batch.requests
+        """The input batch's request records, by request id (read by the draft proposers)."""
         self.samples = get_pp_group().is_last_rank
         """Whether this rank samples (the last pipeline stage); earlier stages take the sampled
         tokens from the scheduler output (CachedRequestData.sampled_token_ids)."""
@@ -272,23 +275,26 @@ class ModelRunner:
         elif inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             self._apply_grammar(so, inputs, logits, drafts)
-            states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
+            states, md = self.input_batch.sampling_metadata(inputs)
             if FAULTS is not None:  # fault injection for the reliability tests (kvtide/testing/faults.py)
                 FAULTS.on_logits(logits, [s.token_ids[:s.num_prompt_tokens] for s in states])
-            md = SamplingMetadata.build([s.row_state() for s in states], self.vocab_size, self.device)
             sampled = self.sampler(logits, md)
+            tokens = sampled.token_ids
+            for row in sampled.bad_rows:
+                output.failed[states[row].request_id] = "model produced non-finite logits"
+                tokens[row] = 0  # an input for a step scheduled ahead; its output is dropped
             bad = set(sampled.bad_rows)
-            for row, state in enumerate(states):
+            for row, (state, token) in enumerate(zip(states, tokens, strict=True)):
                 if row in bad:
-                    output.failed[state.request_id] = "model produced non-finite logits"
-                    state.token_ids.append(0)  # an input for a step scheduled ahead; its output is dropped
                     continue
-                token = sampled.token_ids[row]
-                state.token_ids.append(token)
                 output.sampled_token_ids[state.request_id] = token
                 if sampled.logprobs[row] is not None:
                     output.logprobs[state.request_id] = sampled.logprobs[row]  # type: ignore[assignment]
-            receive_sampled_tokens(states)
+            rows = inputs.batch_rows[inputs.sample_rows]  # type: ignore[index]
+            self.input_batch.append_sampled(rows, states, tokens)
+            received = receive_sampled_tokens(states)
+            if received is not None:
+                self.input_batch.set_last_tokens(rows, states, received)
         return output
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -308,7 +314,7 @@ class ModelRunner:
                                    device=self.device)
             pp.recv(received, pp.rank_in_group - 1)
             intermediate = (received[0], received[1])
-        mass = inputs.metadata.backend_data.get(MASS_KEY)
+        mass = inputs.metadata.attention_mass
         if mass is not None and not pp.is_first_rank:
             pp.recv(mass, pp.rank_in_group - 1)
         out = self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate=intermediate)
@@ -345,7 +351,7 @@ class ModelRunner:
         if self.config.cache_config.kv_drop_policy is None:
             return None
         mass = torch.zeros(md.block_tables.shape, dtype=torch.float32, device=self.device)
-        md.backend_data[MASS_KEY] = mass
+        md.attention_mass = mass
         return mass
 
     @staticmethod
@@ -366,28 +372,14 @@ class ModelRunner:
         self._apply_grammar(so, inputs, logits, drafts)
         states = [self.requests[inputs.order[i]] for i in inputs.sample_rows]
         emitted = self.spec.verify(self.sampler, logits, states, drafts, self.vocab_size, output)
-        for state in states:
-            state.token_ids.extend(emitted[state.request_id] or [0])  # a failed row: an input for nothing
+        for state in states:  # a failed row gets a 0: an input for nothing
+            self.input_batch.append_tokens(state.request_id, emitted[state.request_id] or [0])
         return emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+        self.input_batch.update(so, self._uids, self.samples)
         if self.spec is not None and so.finished_req_ids:
             self.spec.forget(so.finished_req_ids)
-        for new in so.scheduled_new_reqs:
-            self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, uid=next(self._uids))
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.request_id]
-            for index in cached.dropped_block_indices:
-                state.block_ids[index] = -1
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-            if not self.samples:
-                state.token_ids.extend(cached.sampled_token_ids)
-            state.token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput, drafts: dict[str, list[int]]) -> StepInputs:
         num_sched = so.num_scheduled_tokens
@@ -395,8 +387,7 @@ class ModelRunner:
             num_sched = dict(num_sched)
             for req_id, slots in so.num_draft_tokens.items():
                 num_sched[req_id] -= slots - len(drafts.get(req_id, ()))
-        return prepare_step_inputs(num_sched, self.requests, self.block_size, self.device, drafts,
-                                   self.num_kv_groups)
+        return self.input_batch.prepare(num_sched, drafts, self.num_kv_groups)
 
     def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
@@ -416,21 +407,19 @@ class ModelRunner:
             output.prompt_logprobs[req_id] = entries
 
 
-def receive_sampled_tokens(states: list[CachedRequestState]) -> None:
+def receive_sampled_tokens(states: list[CachedRequestState]) -> list[int] | None:
     """The tensor-parallel ranks of the sampling stage all sample from the same all-gathered
     logits, but under tensor parallelism alone only the first applies structured output's masks
     (the matchers live beside it; under pipeline parallelism every rank gets them computed ahead):
-    it broadcasts its tokens and the others overwrite their last token with them. A no-op without
-    tensor parallelism. (Earlier pipeline stages get the tokens with the requests' next step:
-    CachedRequestData.sampled_token_ids.)"""
+    it broadcasts its tokens (each state's last) and the others return them, to overwrite their
+    last tokens with. None without tensor parallelism and on the first rank. (Earlier pipeline
+    stages get the tokens with the requests' next step: CachedRequestData.sampled_token_ids.)"""
     tp = get_tp_group()
     if tp.world_size == 1 or not states:
-        return
+        return None
     tokens = torch.tensor([s.token_ids[-1] for s in states], dtype=torch.int64)
     tp.broadcast(tokens, 0)
-    if not tp.is_first_rank:
-        for state, token in zip(states, tokens.tolist(), strict=True):
-            state.token_ids[-1] = token
+    return None if tp.is_first_rank else tokens.tolist()
 
 
 def has_own_cache_layout(attn) -> bool:

@@ -1,9 +1,8 @@
-"""The Ray executor: one replica of tensor_parallel_size x pipeline_parallel_size ranks placed on a
-Ray cluster, so a replica can span nodes. Same contract as the multiprocess executor: rank 0 runs
-in the engine core's own process (beside structured output's matchers; under pipeline parallelism
-each step's drafts and token bitmask are computed there ahead of it and travel with it) and ranks
-1.. are Ray actors, each wrapping a `Worker` and speaking worker.py's messages as msgpack bytes (Ray
-carries the bytes; no pickled object of ours crosses).
+"""The Ray executor: a replica's ranks 1.. as Ray actors, so a replica can span nodes. Rank 0 runs in
+the engine core's own process and the step logic is the distributed executor's
+(distributed_executor.py); this module only places the actors and moves the bytes. Each actor
+wraps a `Worker` and speaks worker.py's messages as msgpack bytes (Ray carries the bytes; no
+pickled object of ours crosses), one actor call per message, its result the reply.
 
 The replica gets a placement group of world_size bundles ({"CPU": threads_per_rank} on CPU,
 {"GPU": 1} on CUDA), rank r on bundle r; bundle 0 is pinned to the driver's node and reserves rank
@@ -11,8 +10,7 @@ The replica gets a placement group of world_size bundles ({"CPU": threads_per_ra
 node); otherwise a small local one is started, and shut down again with the executor.
 
 A dead actor is noticed at once: each actor runs a `watch` call that only returns when it dies,
-a monitor thread waits on those, and a step waiting on the actors raises `WorkerDiedError` (rank
-0 blocked in a collective with the dead rank sees its connection reset and raises too).
+and the executor's monitor thread waits on those.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 try:
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -39,21 +35,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'ray>=2.40'") from e
 
 from kvtide.config import EngineConfig
-from kvtide.distributed import COMM_STATS, destroy_distributed
 from kvtide.engine import serialization
-from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from kvtide.worker import wire
-from kvtide.worker.multiproc_executor import (
-    STARTUP_TIMEOUT_S,
-    GrammarAhead,
-    SampledTokenRelay,
-    WorkerDiedError,
-)
-from kvtide.worker.worker import engine_config_from_args, free_port, init_rank, output_rank, threads_per_rank
+from kvtide.worker.distributed_executor import STARTUP_TIMEOUT_S, DistributedExecutor, Gather, WorkerDiedError
+from kvtide.worker.worker import engine_config_from_args, free_port, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayExecutor", "RayWorker", "WorkerDiedError", "connect_ray", "placement_bundles"]
+__all__ = ["RayExecutor", "RayRanks", "RayWorker", "WorkerDiedError", "connect_ray", "placement_bundles"]
 
 LOCAL_OBJECT_STORE_BYTES = 100 * 2**20
 """Object store of a local cluster we start: only small messages travel through it."""
@@ -226,84 +214,60 @@ def _local_gpu_index(gpu_id: str) -> int:
     return visible.index(gpu_id) if visible else int(gpu_id)
 
 
-# ---- the executor ---------------------------------------------------------------------------------
-class RayExecutor:
+# ---- the transport --------------------------------------------------------------------------------
+class _Calls:
+    """One call on every actor: the results still to come, and whose they are."""
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
+        self.pending = list(refs)
+
+
+class RayRanks:
+    """Ranks 1.. as actors in the replica's placement group, rank r on bundle r."""
+
     def __init__(self, config: EngineConfig, model_dir: str, engine_args: dict[str, Any],
                  placement_strategy: str | None = None) -> None:
-        """`engine_args`: the EngineArgs `config` came from, as a dict (actors rebuild it).
-        `placement_strategy`: Ray's PACK (default; KVTIDE_RAY_PLACEMENT_STRATEGY), SPREAD, ..."""
-        from kvtide.worker.model_runner import ModelRunner
-
-        self.config = config
-        self.output_rank = output_rank(config)
-        self.actors: list[Any] = []
-        self.placement_group: PlacementGroup | None = None
-        self.on_worker_death: Callable[[str], None] | None = None
-        """Called once (from the monitor thread) when a rank dies; the server's engine core exits."""
-        self._threads_before = torch.get_num_threads()
-        self.dead: str | None = None
-        """Why the replica cannot go on (a rank died or failed), or None."""
-        self._closed = threading.Event()
-        self._threads = threads_per_rank(config)
-        self._affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        self.tokens = SampledTokenRelay(config.parallel_config.pipeline_parallel_size > 1)
-        """Pipeline parallelism: the last stage's sampled tokens, relayed to the earlier stages."""
-        self.grammar_ahead = GrammarAhead(config) if config.parallel_config.pipeline_parallel_size > 1 else None
-        """Pipeline parallelism: structured output's drafts and masks, computed before each step."""
-        self._monitor: threading.Thread | None = None
         strategy = (placement_strategy or os.environ.get("KVTIDE_RAY_PLACEMENT_STRATEGY") or "PACK").upper()
         if strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}; got {strategy!r}")
-        self._driver_gpu: int | None = None
-        self._watches: dict[Any, int] = {}
+        self.strategy = strategy
+        self.config = config
+        self.model_dir = model_dir
         if config.device_config.device == "cpu":  # every rank its bundle's threads, whatever its node's cores
             engine_args = dict(engine_args, cpu_threads_per_rank=threads_per_rank(config))
-        args_json = json.dumps(engine_args)
-        self._owns_cluster = connect_ray()
-        try:
-            init_method = self._place_workers(config, model_dir, args_json, strategy)
-            starts = [a.start.remote(args_json, model_dir, init_method) for a in self.actors]
-            init_rank(config, 0, init_method)
-            if self._driver_gpu is not None:
-                torch.cuda.set_device(self._driver_gpu)
-            self.runner = ModelRunner(config, model_dir)
-            readies = self._gather(starts, "ready", STARTUP_TIMEOUT_S)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._kv_bytes_per_block = max([self.runner.kv_bytes_per_block()] + [r[2] for r in readies])
-        """The largest rank's bytes per block (pipeline stages differ)."""
-        self.weight_bytes_per_rank = [self.runner.weight_bytes] + [r[3] for r in readies]
-        self._monitor = threading.Thread(target=self._watch_actors, name="kvtide-ray-monitor", daemon=True)
-        self._monitor.start()
-        pc = config.parallel_config
-        logger.info("Ray replica of %d ranks (tp=%d, pp=%d) via %s; weights per rank: %s MiB", pc.world_size,
-                    pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                    ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes_per_rank))
+        self.args_json = json.dumps(engine_args)
+        self.actors: list[Any] = []
+        self.placement_group: PlacementGroup | None = None
+        self.device_index: int | None = None
+        self._watches: dict[Any, int] = {}
+        self._owns_cluster = False
+        self._watching = threading.Event()
+        self._watch_over = threading.Event()
 
-    def _place_workers(self, config: EngineConfig, model_dir: str, args_json: str, strategy: str) -> str:
-        """Reserve the bundles, start ranks 1.. as actors on theirs, check each can build its
-        config; returns the process group's init_method (on rank 0's node)."""
-        cuda = config.device_config.device == "cuda"
-        world = config.parallel_config.world_size
+    def launch(self, gather: Gather) -> str:
+        """Join or start a cluster, reserve the bundles, start the actors on theirs, check each can
+        build its config; returns the process group's init_method (on rank 0's node)."""
+        self._owns_cluster = connect_ray()
+        cuda = self.config.device_config.device == "cuda"
         driver_ip = ray.util.get_node_ip_address()
-        bundles = placement_bundles(config)
+        bundles = placement_bundles(self.config)
         check_cluster(bundles, driver_ip)
         if f"node:{driver_ip}" in ray.cluster_resources():
             bundles[0][f"node:{driver_ip}"] = 0.001  # rank 0 runs here, in this process
         else:
             logger.warning("this process is not on a node of the Ray cluster; rank 0's bundle may be reserved "
                            "elsewhere")
-        self.placement_group = placement_group(bundles, strategy=strategy, name=f"kvtide-{uuid.uuid4().hex[:8]}")
+        self.placement_group = placement_group(bundles, strategy=self.strategy, name=f"kvtide-{uuid.uuid4().hex[:8]}")
         _wait_placement_group(self.placement_group, bundles)
         if cuda:
             probe = ray.remote(num_cpus=0, num_gpus=1)(lambda: [str(g) for g in ray.get_gpu_ids()])
             gpu_ids = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=0)).remote(), timeout=STARTUP_TIMEOUT_S)
-            self._driver_gpu = _local_gpu_index(gpu_ids[0])
+            self.device_index = _local_gpu_index(gpu_ids[0])
         actor_class = ray.remote(concurrency_groups={"watch": 1})(RayWorker)
         replica = self.placement_group.id.hex()[:8]
-        for rank in range(1, world):
+        for rank in range(1, self.config.parallel_config.world_size):
             self.actors.append(actor_class.options(
                 name=f"{ACTOR_NAME_PREFIX}{replica}-rank{rank}",
                 num_cpus=0 if cuda else bundles[rank]["CPU"], num_gpus=1 if cuda else 0,
@@ -311,8 +275,8 @@ class RayExecutor:
                     self.placement_group, placement_group_bundle_index=rank),
             ).remote(rank))
         self._watches = {a.watch.remote(): rank for rank, a in enumerate(self.actors, start=1)}
-        nodes = self._gather([a.node.remote() for a in self.actors], "node", STARTUP_TIMEOUT_S)
-        self._gather([a.prepare.remote(args_json, model_dir) for a in self.actors], "prepared", STARTUP_TIMEOUT_S)
+        nodes = gather(self._call("node"), "node", STARTUP_TIMEOUT_S)
+        gather(self._call("prepare", self.args_json, self.model_dir), "prepared", STARTUP_TIMEOUT_S)
         if all(n[2] == driver_ip for n in nodes):
             host = "127.0.0.1"
         else:
@@ -320,70 +284,40 @@ class RayExecutor:
             logger.info("ranks on nodes %s", sorted({n[2] for n in nodes} | {driver_ip}))
         return f"tcp://{host}:{free_port(host)}"
 
-    # ---- the executor contract ------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        return self._kv_bytes_per_block
+    def join(self, init_method: str) -> _Calls:
+        return self._call("start", self.args_json, self.model_dir, init_method)
 
-    def profile_peak_activation_bytes(self, memory_stats=None) -> int:
-        from kvtide.worker.memory_profile import profile_peak_activation_bytes
+    def send(self, data: bytes) -> _Calls:
+        return self._call("handle", data)
 
-        refs = self._broadcast(["profile"])
-        own = profile_peak_activation_bytes(self.runner, self.config, memory_stats)
-        return max([own] + [r[2] for r in self._gather(refs, "profiled", STARTUP_TIMEOUT_S)])
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        refs = self._broadcast(["init_kv", num_blocks])
-        self.runner.initialize_kv_cache(num_blocks)
-        self._gather(refs, "kv_ready", STARTUP_TIMEOUT_S)
-
-    def init_worker_thread(self) -> None:
-        """A new thread starts with torch's default thread count, not this rank's."""
-        torch.set_num_threads(self._threads)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(scheduler_output)()
-
-    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Send the step to every actor and run rank 0's part of it; returns the call that waits
-        for the step's replies (the output rank's output). Under pipeline parallelism the next
-        micro-batch may be launched before this one's output is taken (replies come in order)."""
-        if self.dead is not None:
-            raise WorkerDiedError(self.dead)
-        scheduler_output = self.tokens.attach(scheduler_output)
-        if self.grammar_ahead is not None:
-            scheduler_output = self.grammar_ahead.attach(scheduler_output)
-        refs = self._broadcast(["execute", wire.scheduler_output_to_wire(scheduler_output)])
+    def poll(self, sent: _Calls, timeout_s: float) -> bytes | None:
+        if not sent.pending:
+            time.sleep(timeout_s)
+            return None
+        ready, sent.pending = ray.wait(sent.pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            return None
         try:
-            output = self.runner.execute(scheduler_output)
-        except RuntimeError as e:  # a collective whose peer vanished
-            try:
-                self._gather(refs, "output", 5.0)  # names the rank that died or failed, if one did
-            except WorkerDiedError as died:
-                raise died from e
-            raise self._died(f"a collective failed: {e}") from e
+            return ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            raise WorkerDiedError(f"worker rank {sent.rank_of[ready[0]]} died: {type(e).__name__}: {e}") from e
 
-        def result() -> ModelRunnerOutput:
-            replies = self._gather(refs, "output", None)
-            if self.output_rank == 0:
-                return output
-            remote = wire.runner_output_from_wire(replies[0][2])
-            self.tokens.record(remote)
-            return remote
-        return result
+    def pending(self, sent: _Calls) -> bool:
+        return bool(sent.pending)
 
-    def comm_stats(self) -> dict[int, dict[str, dict[str, float]]]:
-        """Every rank's collective counts, bytes and seconds so far (rank -> kind -> figures)."""
-        refs = self._broadcast(["comm_stats"])
-        stats = {0: COMM_STATS.snapshot()}
-        stats.update({r[1]: r[2] for r in self._gather(refs, "comm_stats", 60.0)})
-        return stats
+    def lost_rank(self) -> str | None:
+        return None  # the watches tell, in wait_for_lost_rank
 
-    def shutdown(self) -> None:
-        """Kill the actors, free the placement group, leave the process group; stop the Ray cluster
-        only if we started it. Safe to call twice."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def wait_for_lost_rank(self, closing: threading.Event) -> str | None:
+        """Wait on every actor's `watch` call: one returning means that actor is gone."""
+        self._watching.set()
+        try:
+            return self._first_death(closing)
+        finally:
+            self._watch_over.set()
+
+    def close(self) -> None:
+        """Kill the actors, free the placement group; stop the Ray cluster only if we started it."""
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -396,68 +330,17 @@ class RayExecutor:
             except Exception as e:
                 logger.debug("removing the placement group: %s", e)
             self.placement_group = None
-        if self._monitor is not None:
-            self._monitor.join(timeout=5)
-        destroy_distributed()
-        torch.set_num_threads(self._threads_before)
-        if self._affinity_before is not None:
-            os.sched_setaffinity(0, self._affinity_before)
+        if self._watching.is_set():  # no ray.wait of the monitor's may outlive the connection
+            self._watch_over.wait(timeout=5)
         if self._owns_cluster and ray.is_initialized():
             ray.shutdown()
 
-    # ---- messages -----------------------------------------------------------------------------------
-    def _broadcast(self, message: list[Any]) -> list[Any]:
-        data = serialization.encode(message)
-        return [actor.handle.remote(data) for actor in self.actors]
+    def _call(self, method: str, *args: Any) -> _Calls:
+        return _Calls([getattr(actor, method).remote(*args) for actor in self.actors])
 
-    def _gather(self, refs: list[Any], kind: str, timeout_s: float | None) -> list[list[Any]]:
-        """Every actor's reply to one message, in rank order (empty replies left out): raises
-        WorkerDiedError if one reports an error, dies, or (with a timeout) stays silent."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
-        replies: dict[int, list[Any]] = {}
-        pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
-            for ref in ready:
-                rank = rank_of[ref]
-                try:
-                    data = ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    raise self._died(f"worker rank {rank} died: {type(e).__name__}: {e}") from e
-                if not data:
-                    continue
-                message = serialization.decode(data)
-                if message[0] == "error":
-                    raise self._died(f"worker rank {message[1]} failed:\n{message[2]}")
-                if message[0] != kind:
-                    raise self._died(f"expected {kind!r} from worker rank {rank}, got {message[0]!r}")
-                replies[rank] = message
-            if pending and self.dead is not None:
-                raise WorkerDiedError(self.dead)
-            if pending and deadline is not None and time.monotonic() > deadline:
-                raise WorkerDiedError(f"the workers sent no {kind!r} within {timeout_s:.0f} s")
-        return [replies[rank] for rank in sorted(replies)]
-
-    def _died(self, reason: str) -> WorkerDiedError:
-        if self.dead is None:
-            self.dead = reason.splitlines()[0]
-        return WorkerDiedError(reason)
-
-    def _watch_actors(self) -> None:
-        """Wait on every actor's `watch` call: one returning means that actor is gone."""
-        reason = self._first_death()
-        if reason is None or self._closed.is_set():
-            return
-        if self.dead is None:
-            self.dead = reason
-        logger.error("%s; the replica cannot go on", reason)
-        if self.on_worker_death is not None:
-            self.on_worker_death(reason)
-
-    def _first_death(self) -> str | None:
+    def _first_death(self, closing: threading.Event) -> str | None:
         watches = dict(self._watches)
-        while watches and not self._closed.is_set():
+        while watches and not closing.is_set():
             try:
                 ready, _ = ray.wait(list(watches), num_returns=1, timeout=1.0)
             except Exception as e:  # the connection to the cluster itself is gone
@@ -471,3 +354,23 @@ class RayExecutor:
                 return f"worker rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return f"worker rank {rank} stopped"
         return None
+
+
+class RayExecutor(DistributedExecutor):
+    """A replica whose ranks 1.. are Ray actors."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, engine_args: dict[str, Any],
+                 placement_strategy: str | None = None) -> None:
+        """`engine_args`: the EngineArgs `config` came from, as a dict (actors rebuild it).
+        `placement_strategy`: Ray's PACK (default; KVTIDE_RAY_PLACEMENT_STRATEGY), SPREAD, ..."""
+        self.ranks = RayRanks(config, model_dir, engine_args, placement_strategy)
+        super().__init__(config, model_dir, self.ranks)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The worker actors, rank 1 first."""
+        return self.ranks.actors
+
+    @property
+    def placement_group(self) -> PlacementGroup | None:
+        return self.ranks.placement_group

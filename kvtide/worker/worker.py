@@ -127,7 +127,7 @@ def run_worker_process(engine_args: dict[str, Any], model_dir: str, rank: int, i
     It exits when told, when its parent is gone, or after reporting an error."""
     import zmq
 
-    from kvtide.engine.core_proc import die_with_parent
+    from kvtide.child_process import die_with_parent
 
     die_with_parent()  # never outlive the engine, even while blocked in a collective
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")

@@ -56,6 +56,7 @@ def zmtp_connect(host: str, port: int) -> socket.socket:
     return sock
 
 
+@pytest.mark.serial
 def test_an_oversized_unsigned_frame_is_refused_from_its_header():
     server = TransferServer(StagingStore(60.0, 1 << 20), SECRET, "layout-a", "127.0.0.1", 0)
     try:

@@ -26,7 +26,8 @@ import httpx
 import pytest
 from serve_helpers import MODEL_NAME, pid_alive, sse_events, start_server, wait_ready
 
-from kvtide.engine.dp_client import check_data_parallel_args, merge_stats, plan_replicas  # noqa: E402
+from kvtide.engine.dp_client import check_data_parallel_args, merge_stats  # noqa: E402
+from kvtide.engine.dp_placement import plan_replicas  # noqa: E402
 from kvtide.engine.messages import SchedulerStats  # noqa: E402
 from kvtide.engine_args import EngineArgs  # noqa: E402
 from kvtide.sampling_params import SamplingParams  # noqa: E402

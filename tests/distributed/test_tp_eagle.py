@@ -118,7 +118,7 @@ def run(target: str, spec: dict | None, **parallel) -> dict:
     try:
         worker = llm.engine.core.executor.runner.spec
         if worker is not None:
-            propose, head = worker.propose, worker.eagle.head
+            propose, head = worker.propose, worker.proposer.head
             compute_logits = head.compute_logits
 
             def recording_propose(so, requests):

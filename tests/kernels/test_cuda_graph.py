@@ -109,7 +109,7 @@ TABLE_WIDTH = MAX_MODEL_LEN // BLOCK_SIZE
 def _model_with_random_caches(llama_dir: str, device: torch.device):
     from transformers import AutoConfig
 
-    from kvtide.attention.backend import get_attention_backend
+    from kvtide.attention.registry import get_attention_backend
     from kvtide.models.loader import load_model
 
     model = load_model(llama_dir, AutoConfig.from_pretrained(llama_dir), torch.float32, MAX_MODEL_LEN, str(device))
@@ -219,7 +219,7 @@ def test_draft_model_chain_steps_replay_its_graphs(llama_dir, device):
     prompts = ["Hello, my name is", "The capital of France"]
     expected = [o.outputs[0].token_ids for o in LLM(llama_dir, attention_backend="torch", **kwargs).generate(prompts, params)]
     llm = LLM(llama_dir, attention_backend="triton", speculative_config=spec, **kwargs)
-    worker = llm.engine.core.executor.runner.spec
+    worker = llm.engine.core.executor.runner.spec.proposer
     if device.type != "cuda":
         graphs = DecodeCudaGraphs(worker.draft_model, BLOCK_SIZE, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
                                   device=device)

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvtide.attention.backend import get_attention_backend  # noqa: E402
+from kvtide.attention.registry import get_attention_backend  # noqa: E402
 from kvtide.layers.activation import SiluAndMul  # noqa: E402
 from kvtide.layers.norm import RMSNorm  # noqa: E402
 from kvtide.layers.rotary import RotaryEmbedding  # noqa: E402

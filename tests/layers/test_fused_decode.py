@@ -104,7 +104,7 @@ def test_a_draft_model_decodes_fused_too(checkpoint_factory, monkeypatch, fused_
     draft_dir = checkpoint_factory("LlamaForCausalLM", seed=0, num_hidden_layers=2)
     spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2, "adaptive": False}
     llm, fused = _generate(model_dir, True, monkeypatch, batched=False, speculative_config=spec)
-    draft = llm.engine.core.executor.runner.spec.draft_model
+    draft = llm.engine.core.executor.runner.spec.proposer.draft_model
     assert draft.fused_decode is not None
     assert draft.fused_decode in fused_rows.owners  # the draft's steps ran fused
     assert llm.engine.core.executor.runner.model.fused_decode in fused_rows.owners  # and the target's

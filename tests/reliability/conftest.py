@@ -132,6 +132,13 @@ def fuzz_reference(fuzz_model_dir) -> OfflineReference:
     return OfflineReference(fuzz_model_dir)
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist the summary is the controller's: the figures go to it (tests/conftest.py)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and FIGURES:
+        workeroutput["kvtide_figures"] = json.dumps(FIGURES)
+
+
 def pytest_terminal_summary(terminalreporter):
     if FIGURES:
         terminalreporter.section("kvtide reliability figures")

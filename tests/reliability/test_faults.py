@@ -166,6 +166,7 @@ def wait_for_idle_stats(server) -> dict:
 
 
 # ---- engine death --------------------------------------------------------------------------------
+@pytest.mark.serial
 def test_exception_in_forward_pass(fault_server):
     server = fault_server
     children = children_of(server.proc.pid)
@@ -211,6 +212,7 @@ def test_whole_server_paused_past_the_watchdog_timeout_keeps_serving(watchdog_se
     assert "unresponsive" not in server.log()
 
 
+@pytest.mark.serial
 def test_sigstop_engine_watchdog(watchdog_server):
     server = watchdog_server
     children = children_of(server.proc.pid)
@@ -231,6 +233,7 @@ def test_sigstop_engine_watchdog(watchdog_server):
     assert elapsed < 2.0 + 1.5  # the timeout, plus the watchdog's 0.2 s tick and a loaded machine
 
 
+@pytest.mark.serial
 def test_sigterm_under_load(sigterm_server):
     server = sigterm_server
     children = children_of(server.proc.pid)

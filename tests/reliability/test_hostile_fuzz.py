@@ -220,6 +220,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_hostile_fuzz_tier(fuzz_server, tmp_path):
     server = fuzz_server

@@ -108,6 +108,7 @@ def _refused(r: httpx.Response, param: str) -> dict:
 
 
 # ---- one hostile request -------------------------------------------------------------------------
+@pytest.mark.serial
 def test_20k_tools_refused_fast_without_growing_the_engine(hostile_server):
     body = _chat(tools=[_tool(f"f{i}") for i in range(20_000)], tool_choice="required")
     assert len(json.dumps(body)) < 4 * 1024 * 1024  # under the body limit: the tools limit decides
@@ -120,6 +121,7 @@ def test_20k_tools_refused_fast_without_growing_the_engine(hostile_server):
     assert rss_kib(hostile_server.engine_pid) - rss_before < 200 * 1024
 
 
+@pytest.mark.serial
 def test_20k_tools_over_websocket_refused_without_stalling(hostile_server):
     """The WebSocket twin counts the same tools on the raw message before parsing it."""
     from websockets.sync.client import connect
@@ -134,6 +136,7 @@ def test_20k_tools_over_websocket_refused_without_stalling(hostile_server):
     assert probe.worst < HEALTH_BUDGET_S, probe.latencies
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("field", ["guided_choice", "structured_outputs"])
 def test_10k_choices_refused(hostile_server, field):
     choices = [f"choice {i}" for i in range(10_000)]
@@ -144,6 +147,7 @@ def test_10k_choices_refused(hostile_server, field):
     assert elapsed < 3.0
 
 
+@pytest.mark.serial
 def test_20k_prompts_refused_fast(hostile_server):
     with HealthProbe(hostile_server) as probe:
         r, elapsed = _post_timed(hostile_server, CMPL, _cmpl(prompt=["hello there"] * 20_000))
@@ -175,6 +179,7 @@ def test_request_chat_template_accepted_with_the_flag(hostile_server):
         assert r.json()["usage"]["prompt_tokens"] == len(expected)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("template,budget_s", [
     ("{{ 'x' * 10000000 }}", 1.0),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", 4.0),

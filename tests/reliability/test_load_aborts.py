@@ -224,6 +224,7 @@ def test_load_with_aborts_long(load_server, reference):
     FIGURES["load_long"] = _load_run(load_server, reference, LONG_DURATION_S, seed=8)
 
 
+@pytest.mark.serial
 def test_kill_9_under_load(load_server):
     """kill -9 of the engine core with 8 streams in flight: /health 503 within 2 s, every stream
     ends with an error event and [DONE], the server exits non-zero, no process is left."""

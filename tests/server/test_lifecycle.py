@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from serve_helpers import MODEL_NAME, ServerHandle, pid_alive, sse_events, wait_idle
 
 CMPL = "/v1/completions"
@@ -65,6 +66,7 @@ def test_overload_gets_429(small_server):
     wait_idle(small)
 
 
+@pytest.mark.serial
 def test_engine_core_kill_9(small_server):
     small = small_server
     with small.client() as a_client:

@@ -105,6 +105,7 @@ def test_bad_key_is_refused(server, key):
     assert json.loads(messages[0])["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.serial
 def test_client_disconnect_aborts_the_request(server):
     wait_idle(server)
     body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 900, "min_tokens": 900}

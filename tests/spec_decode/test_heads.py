@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
-from kvtide.attention.backend import get_attention_backend
+from kvtide.attention.registry import get_attention_backend
 from kvtide.layers.cpu_ops import use_cpu_ops
 from kvtide.models.loader import load_model
 from kvtide.sampling_params import SamplingParams

@@ -1,5 +1,6 @@
-"""prepare_step_inputs (numpy index math) gives the tensors of the plain torch construction it
-replaced, on mixed batches of decodes, prefill chunks and chunks with cached prefixes."""
+"""prepare_step_inputs (numpy index math) and the persistent InputBatch give the tensors of the
+plain torch construction they replaced, on mixed batches of decodes, prefill chunks and chunks
+with cached prefixes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import random
 import torch
 
 from kvtide.sampling_params import SamplingParams
-from kvtide.worker.input_batch import CachedRequestState, prepare_step_inputs
+from kvtide.scheduler.output import NewRequestData, SchedulerOutput
+from kvtide.worker.input_batch import CachedRequestState, InputBatch, prepare_step_inputs
 
 BLOCK_SIZE = 4
 
@@ -65,22 +67,36 @@ def random_batch(rng: random.Random):
     return num_sched, requests
 
 
+def from_input_batch(num_sched: dict[str, int], requests: dict[str, CachedRequestState]):
+    """The same step from an InputBatch that received the requests as new ones."""
+    batch = InputBatch(BLOCK_SIZE, 1000, torch.device("cpu"), max_num_reqs=2, max_model_len=16)
+    new = [NewRequestData(r.request_id, r.token_ids, r.num_prompt_tokens, r.sampling_params, r.block_ids,
+                          r.num_computed_tokens) for r in requests.values()]
+    batch.update(SchedulerOutput(new, [], {}, 0), iter([r.uid for r in requests.values()]))
+    return batch.prepare(num_sched)
+
+
 def test_matches_reference_on_mixed_batches():
     rng = random.Random(0)
     for _ in range(200):
         num_sched, requests = random_batch(rng)
         ref = reference_inputs(num_sched, requests, BLOCK_SIZE)
-        got = prepare_step_inputs(num_sched, requests, BLOCK_SIZE, torch.device("cpu"))
-        md = got.metadata
-        assert got.order == ref["order"] and got.sample_rows == ref["sample_rows"]
-        for name, tensor in (("input_ids", got.input_ids), ("positions", got.positions),
-                             ("query_start_loc", md.query_start_loc), ("seq_lens", md.seq_lens),
-                             ("block_tables", md.block_tables), ("slot_mapping", md.slot_mapping),
-                             ("logits_indices", got.logits_indices)):
-            assert tensor.dtype == ref[name].dtype and torch.equal(tensor, ref[name]), name
-        assert md.num_decodes == ref["num_decodes"] and md.num_reqs == len(ref["order"])
-        assert md.num_actual_tokens == ref["input_ids"].numel()
-        assert md.max_query_len == ref["max_query_len"] and md.max_seq_len == ref["max_seq_len"]
-        assert md.query_start_loc_cpu == ref["query_start_loc"].tolist()
-        assert md.seq_lens_cpu == ref["seq_lens"].tolist()
-        assert md.row_uids == [requests[r].uid for r in ref["order"]]
+        for got in (prepare_step_inputs(num_sched, requests, BLOCK_SIZE, torch.device("cpu")),
+                    from_input_batch(num_sched, requests)):
+            assert_matches(got, ref, requests)
+
+
+def assert_matches(got, ref, requests):
+    md = got.metadata
+    assert got.order == ref["order"] and got.sample_rows == ref["sample_rows"]
+    for name, tensor in (("input_ids", got.input_ids), ("positions", got.positions),
+                         ("query_start_loc", md.query_start_loc), ("seq_lens", md.seq_lens),
+                         ("block_tables", md.block_tables), ("slot_mapping", md.slot_mapping),
+                         ("logits_indices", got.logits_indices)):
+        assert tensor.dtype == ref[name].dtype and torch.equal(tensor, ref[name]), name
+    assert md.num_decodes == ref["num_decodes"] and md.num_reqs == len(ref["order"])
+    assert md.num_actual_tokens == ref["input_ids"].numel()
+    assert md.max_query_len == ref["max_query_len"] and md.max_seq_len == ref["max_seq_len"]
+    assert md.query_start_loc_cpu == ref["query_start_loc"].tolist()
+    assert md.seq_lens_cpu == ref["seq_lens"].tolist()
+    assert md.row_uids == [requests[r].uid for r in ref["order"]]

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from kvtide.layers.quantization.base import QuantizationConfig, drop_parameters
-from kvtide.layers.quantization.weight_only import install
+from kvtide.layers.quantization.weight_only import BUFFERS, install, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -160,23 +160,22 @@ def finish_quantization(model: nn.Module) -> int:
             install(module, tied.quantized)
     config = getattr(model, "quant_config", None)
     quantize_expert = config.expert_quantizer() if config is not None else None
+    expert_kernel = (config.expert_kernel() if config is not None else None) or quantized_linear
     for module in model.modules():
         if not hasattr(module, "quantize_experts"):  # not a MoE layer's experts
             continue
         method = getattr(module, "experts_quant_method", None)
         if method is not None:
-            module.set_quantized_experts(*method.process_weights_after_loading(module), config.expert_kernel())
+            module.set_quantized_experts(*method.process_weights_after_loading(module), expert_kernel)
             done += 1
         elif quantize_expert is not None:
-            module.quantize_experts(quantize_expert, config.expert_kernel())
+            module.quantize_experts(quantize_expert, expert_kernel)
             done += 1
     return done
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as held (quantized tensors at their size; a tied table once)."""
-    from kvtide.layers.quantization.weight_only import BUFFERS
-
     seen: set[int] = set()
     total = 0
     tensors = list(model.parameters()) + [b for name, b in model.named_buffers()

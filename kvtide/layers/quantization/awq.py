@@ -33,6 +33,7 @@ from kvtide.layers.quantization.gptq import (
     name_matches,
     unpack_int32,
 )
+from kvtide.layers.quantization.packed_experts import PackedExpertsMethod
 from kvtide.layers.quantization.qweight import QuantizedWeight
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
@@ -126,8 +127,6 @@ class AWQConfig(QuantizationConfig):
     def experts_method_for(self, prefix: str, moe: nn.Module):
         """A MoE layer's experts load AWQ tensors (packed_experts.py) unless modules_to_not_convert
         names them."""
-        from kvtide.layers.quantization.packed_experts import AWQExpertsMethod
-
         if any(name_matches(prefix, skip) or skip in prefix for skip in self.modules_to_not_convert):
             return None
         return AWQExpertsMethod(self.group_size, prefix)
@@ -149,3 +148,17 @@ class AWQConfig(QuantizationConfig):
 
     def describe(self) -> str:
         return f"awq g{self.group_size}"
+
+
+class AWQExpertsMethod(PackedExpertsMethod):
+    """A MoE layer's experts in an AWQ checkpoint (packed_experts.py)."""
+
+    format_name = "AWQ"
+
+    def tensor_shapes(self, n, k, group, shards):
+        pack = 32 // self.bits
+        return {"qweight": ((k, n // pack), torch.int32), "qzeros": ((k // group, n // pack), torch.int32),
+                "scales": ((k // group, n), torch.float32)}
+
+    def decode(self, tensors, group, where):
+        return decode_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)

@@ -78,10 +78,9 @@ class QuantizationConfig:
         return None
 
     def expert_kernel(self):
-        """The GEMM of a quantized expert, (x, QuantizedWeight, bias) -> y: weight-only by default."""
-        from kvtide.layers.quantization.weight_only import quantized_linear
-
-        return quantized_linear
+        """The GEMM of a quantized expert, (x, QuantizedWeight, bias) -> y, or None: the weight-only
+        kernel (weight_only.quantized_linear, which finish_quantization fills in)."""
+        return None
 
     def skip_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Asked by load_weights about a checkpoint tensor that has no parameter: True skips it
@@ -262,6 +261,12 @@ def quant_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: 
     param.input_dim, param.input_pack = input_dim, input_pack  # type: ignore[attr-defined]
     layer.register_parameter(name, param)
     return param
+
+
+def loaded(param: nn.Parameter | None) -> bool:
+    """Whether an optional parameter received a checkpoint tensor (its
+    weight_loader, from quant_parameter, marks it)."""
+    return param is not None and getattr(param, "shard_seen", False)
 
 
 def _shard_shape(layer: nn.Module, p: nn.Parameter, shard_id: object, output_dim: int | None,

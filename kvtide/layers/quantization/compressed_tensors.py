@@ -46,6 +46,7 @@ from kvtide.layers.quantization.base import (
     check_shard_widths,
     checkpoint_modules,
     drop_parameters,
+    loaded,
 )
 from kvtide.layers.quantization.fp8_checkpoint import create_fp8_weights, fp8_weight, row_scale_parameter
 from kvtide.layers.quantization.fp8_method import Fp8Method
@@ -53,7 +54,6 @@ from kvtide.layers.quantization.gptq import (
     checked_parameter,
     group_order,
     int_weight,
-    loaded,
     local_g_idx,
     unpack_int32,
 )

@@ -54,6 +54,13 @@ def kernels_available() -> bool:
     return _op("quantized_linear") is not None
 
 
+def op_namespace() -> str | None:
+    """The torch op namespace the compiled library registered its ops under, for compiled code that
+    calls `quantized_linear` itself (layers/fused_decode.py); None without a build."""
+    op = _op("quantized_linear")
+    return op.default.namespace if op is not None else None
+
+
 def kind_code(qw: QuantizedWeight) -> int:
     """The compiled op's `kind` argument for `qw`."""
     return INT4_INT8_ACTIVATIONS if qw.int8_activations else KIND_CODES[qw.kind]

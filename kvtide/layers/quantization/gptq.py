@@ -39,8 +39,10 @@ from kvtide.layers.quantization.base import (
     check_shard_widths,
     checkpoint_modules,
     drop_parameters,
+    loaded,
     quant_parameter,
 )
+from kvtide.layers.quantization.packed_experts import PackedExpertsMethod
 from kvtide.layers.quantization.qweight import INT4_BLOCK, QuantizedWeight, pack_int4
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
@@ -124,11 +126,6 @@ def checked_parameter(layer: nn.Module, modules: dict[object, str], hint: str, n
 
     param.weight_loader = weight_loader  # type: ignore[attr-defined]
     return param
-
-
-def loaded(param: nn.Parameter | None) -> bool:
-    """Whether an optional parameter received a checkpoint tensor."""
-    return param is not None and getattr(param, "shard_seen", False)
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -252,8 +249,6 @@ class GPTQConfig(QuantizationConfig):
     def experts_method_for(self, prefix: str, moe: nn.Module):
         """A MoE layer's experts load GPTQ tensors (packed_experts.py) unless the config's module list
         leaves them out."""
-        from kvtide.layers.quantization.packed_experts import GPTQExpertsMethod
-
         if self.modules_in_block_to_quantize is not None and not any(
                 "experts." in pattern for pattern in self.modules_in_block_to_quantize):
             return None
@@ -294,3 +289,29 @@ class GPTQConfig(QuantizationConfig):
     def describe(self) -> str:
         group = "channel" if self.group_size == -1 else f"g{self.group_size}"
         return f"gptq {self.bits}-bit {group}" + (" act-order" if self.desc_act else "")
+
+
+class GPTQExpertsMethod(PackedExpertsMethod):
+    """A MoE layer's experts in a GPTQ checkpoint (packed_experts.py)."""
+
+    format_name = "GPTQ"
+    optional = frozenset({"g_idx"})  # absent without act-order
+
+    def __init__(self, config, where: str) -> None:
+        super().__init__(config.group_size, where)
+        self.bits, self.checkpoint_format = config.bits, config.checkpoint_format
+
+    def tensor_shapes(self, n, k, group, shards):
+        pack = 32 // self.bits
+        return {"qweight": ((k // pack, n), torch.int32), "qzeros": ((k // group, n // pack), torch.int32),
+                "scales": ((k // group, n), torch.float32), "g_idx": ((shards, k), torch.int32)}
+
+    def decode(self, tensors, group, where):
+        g_idx = tensors.get("g_idx")
+        if g_idx is not None:
+            if not all(torch.equal(g_idx[0], g) for g in g_idx[1:]):
+                raise ValueError(f"{where}: w1 and w3 carry different g_idx (act-order permutations); kvtide runs "
+                                 f"them as one fused GEMM and needs them equal")
+            g_idx = g_idx[0]
+        return decode_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, self.bits, group,
+                           self.checkpoint_format, where)

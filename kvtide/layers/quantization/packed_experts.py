@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvtide.layers.quantization.base import drop_parameters
+from kvtide.layers.quantization.base import drop_parameters, loaded
 from kvtide.layers.quantization.qweight import QuantizedWeight
 
 SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
@@ -34,7 +34,7 @@ SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
 class PackedExpertsMethod:
     """Creates a FusedMoE's parameters in the format, loads each expert's tensors into them, and
     converts them into QuantizedWeights once loading ends. Subclasses give the format's shapes
-    and its decoding."""
+    and its decoding (gptq.GPTQExpertsMethod, awq.AWQExpertsMethod, beside the format's decoder)."""
 
     format_name = ""
     bits = 4
@@ -108,8 +108,6 @@ class PackedExpertsMethod:
 
     def process_weights_after_loading(self, moe: nn.Module) -> tuple[list[QuantizedWeight], list[QuantizedWeight]]:
         """Each local expert's (w13, w2) QuantizedWeights; drops the format's parameters."""
-        from kvtide.layers.quantization.gptq import loaded
-
         out: dict[str, list[QuantizedWeight]] = {}
         for proj in ("w13", "w2"):
             params = {name.removeprefix(f"{proj}_"): p for name, p in moe.named_parameters(recurse=False)
@@ -120,43 +118,3 @@ class PackedExpertsMethod:
                          for slot, expert in enumerate(moe.local_experts)]
             drop_parameters(moe, *(f"{proj}_{kind}" for kind in params))
         return out["w13"], out["w2"]
-
-
-class GPTQExpertsMethod(PackedExpertsMethod):
-    format_name = "GPTQ"
-    optional = frozenset({"g_idx"})  # absent without act-order
-
-    def __init__(self, config, where: str) -> None:
-        super().__init__(config.group_size, where)
-        self.bits, self.checkpoint_format = config.bits, config.checkpoint_format
-
-    def tensor_shapes(self, n, k, group, shards):
-        pack = 32 // self.bits
-        return {"qweight": ((k // pack, n), torch.int32), "qzeros": ((k // group, n // pack), torch.int32),
-                "scales": ((k // group, n), torch.float32), "g_idx": ((shards, k), torch.int32)}
-
-    def decode(self, tensors, group, where):
-        from kvtide.layers.quantization.gptq import decode_gptq
-
-        g_idx = tensors.get("g_idx")
-        if g_idx is not None:
-            if not all(torch.equal(g_idx[0], g) for g in g_idx[1:]):
-                raise ValueError(f"{where}: w1 and w3 carry different g_idx (act-order permutations); kvtide runs "
-                                 f"them as one fused GEMM and needs them equal")
-            g_idx = g_idx[0]
-        return decode_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, self.bits, group,
-                           self.checkpoint_format, where)
-
-
-class AWQExpertsMethod(PackedExpertsMethod):
-    format_name = "AWQ"
-
-    def tensor_shapes(self, n, k, group, shards):
-        pack = 32 // self.bits
-        return {"qweight": ((k, n // pack), torch.int32), "qzeros": ((k // group, n // pack), torch.int32),
-                "scales": ((k // group, n), torch.float32)}
-
-    def decode(self, tensors, group, where):
-        from kvtide.layers.quantization.awq import decode_awq
-
-        return decode_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)

@@ -35,8 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from kvtide.server.asgi import WS_CLOSE_POLICY, WS_CLOSE_TRY_AGAIN_LATER
 from kvtide.server.errors import OpenAIError, from_engine_error
-from kvtide.server.middleware import WS_CLOSE_POLICY, WS_CLOSE_TRY_AGAIN_LATER
 from kvtide.server.openai.chat_completions.body_counts import check_raw_body
 from kvtide.server.openai.chat_completions.protocol import ChatCompletionRequest
 from kvtide.server.openai.chat_completions.serving import ChatServing
