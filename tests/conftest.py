@@ -93,6 +93,9 @@ DIRECTORY_GROUPS = ("reliability", "server", "router")
 """Folders whose conftest starts, at their first test, the servers all of their tests want."""
 FIXTURE_GROUPS = {"smollm2_hf": "smollm2", "smollm2_llm": "smollm2"}
 """Session fixtures that take many seconds to build: the files using one run on one worker."""
+MODULE_GROUPS = {"ray": "ray"}
+"""Files importing one of these run on one worker, one after the other: a local Ray cluster
+leaves a record (/tmp/ray) that the next `ray.init` and RayExecutor read."""
 LONGEST_FIRST = ("reliability", "server", "tests/test_tokenizer_cache.py", "smollm2",
                  "tests/spec_decode/test_rejection_sampler.py", "tests/kv_cache/test_state_machine.py",
                  "router", "tests/distributed/test_tp_quantization.py", "tests/scheduler/test_scheduler.py",
@@ -123,12 +126,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SERIAL_ELSEWHERE):
             item.add_marker(pytest.mark.serial)
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    if not hasattr(config, "workerinput"):  # not an xdist worker (a child pytest inherits their environment)
         return
     file_groups = {}
     for item in items:
         for fixture, group in FIXTURE_GROUPS.items():
             if fixture in getattr(item, "fixturenames", ()):
+                file_groups[str(item.path)] = group
+        module = getattr(item, "module", None)
+        for name, group in MODULE_GROUPS.items():
+            if getattr(getattr(module, name, None), "__name__", None) == name:
                 file_groups[str(item.path)] = group
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     groups = {}
@@ -141,22 +148,22 @@ def pytest_collection_modifyitems(config, items):
 _locks: dict[str, Any] = {}
 
 
-def _lock_file(name: str):
+def _lock_file(run: str, name: str):
     """This run's lock files, shared by its workers (the run id is theirs alone)."""
     if name not in _locks:
-        run = os.environ["PYTEST_XDIST_TESTRUNUID"]
         _locks[name] = open(os.path.join(tempfile.gettempdir(), f"kvtide-pytest-{run}.{name}"), "a")
     return _locks[name]
 
 
 @contextlib.contextmanager
-def _turn(serial: bool):
+def _turn(config, serial: bool):
     """A readers-writer lock over the workers: every test holds it shared, a `serial` one alone.
     The gate is taken on the way in, so a waiting serial test is not starved by the others."""
-    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
         yield
         return
-    gate, tests = _lock_file("gate"), _lock_file("tests")
+    gate, tests = _lock_file(workerinput["testrunuid"], "gate"), _lock_file(workerinput["testrunuid"], "tests")
     fcntl.flock(gate, fcntl.LOCK_EX)
     try:
         fcntl.flock(tests, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
@@ -170,7 +177,7 @@ def _turn(serial: bool):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with _turn(item.get_closest_marker("serial") is not None):
+    with _turn(item.config, item.get_closest_marker("serial") is not None):
         yield
 
 

@@ -66,10 +66,10 @@ def test_no_ui_flag():
 
 # ---- servers and the browser ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(llama_dir):
-    """Three servers started at once (they load in parallel), each stopped in the finally."""
+def servers(llama_dir, server):
+    """Two servers started at once (they load in parallel), each stopped in the finally; behind
+    --api-key, the session's shared `server`."""
     flags = {"open": (["--max-num-seqs", "4", "--max-model-len", str(LONG_MODEL_LEN)], None),
-             "keyed": (["--max-num-seqs", "4"], API_KEY),
              "no_ui": (["--max-num-seqs", "4", "--no-ui"], None)}
     # The open server's steps take at least 10 ms, so the long answer the Stop test aborts cannot
     # finish (4,032 tokens in under 40 s) before the click reaches it, however fast decode gets.
@@ -80,7 +80,7 @@ def servers(llama_dir):
             handles[name] = start_server(llama_dir, *args, api_key=key, env=envs.get(name))
         for handle in handles.values():
             wait_ready(handle)
-        yield handles
+        yield {**handles, "keyed": server}
     finally:
         codes = {name: handle.stop() for name, handle in handles.items()}
         logs = {name: handle.log()[-3000:] for name, handle in handles.items()}

@@ -73,6 +73,15 @@ class Simulation:
         return [next(self.next_block) for _ in range(max(0, need - have))]
 
     def step(self) -> tuple[SchedulerOutput, dict[str, list[int]]]:
+        finished, new_reqs, copies = self.churn()
+        num_sched, drafts, cached_reqs = self.schedule(new_reqs)
+        so = SchedulerOutput(new_reqs, cached_reqs, num_sched, sum(num_sched.values()), finished_req_ids=finished,
+                             block_copies=copies)
+        self.apply_to_replay(so)
+        return so, drafts
+
+    def churn(self) -> tuple[set[str], list[NewRequestData], list[tuple[int, int]]]:
+        """Requests end, are preempted, come back, arrive and fork."""
         rng = self.rng
         finished: set[str] = set()
         new_reqs: list[NewRequestData] = []
@@ -111,7 +120,13 @@ class Simulation:
                 child.block_ids.append(next(self.next_block))
                 copies.append((src, child.block_ids[-1]))
             self.admit(child, new_reqs)
+        return finished, new_reqs, copies
 
+    def schedule(self, new_reqs: list[NewRequestData]) -> tuple[dict[str, int], dict[str, list[int]],
+                                                               list[CachedRequestData]]:
+        """Tokens for most running requests (a chunk, the rest, or a decode with drafts), with the
+        blocks they need; the running ones' diffs."""
+        rng = self.rng
         num_sched: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         cached_reqs: list[CachedRequestData] = []
@@ -146,10 +161,7 @@ class Simulation:
             else:
                 new_by_id[req_id].block_ids = list(request.block_ids)
             num_sched[req_id] = n
-        so = SchedulerOutput(new_reqs, cached_reqs, num_sched, sum(num_sched.values()), finished_req_ids=finished,
-                             block_copies=copies)
-        self.apply_to_replay(so)
-        return so, drafts
+        return num_sched, drafts, cached_reqs
 
     def admit(self, request: SimRequest, new_reqs: list[NewRequestData]) -> None:
         self.running[request.request_id] = request
