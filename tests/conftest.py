@@ -80,11 +80,12 @@ def smollm2_llm():
 
 
 # ---- pytest-xdist ---------------------------------------------------------------------------
-# `python -m pytest` runs the suite on two workers (pyproject's addopts: -n 2 --dist loadgroup).
-# What keeps that as safe as one process:
-#   groups    a worker takes a whole file, or a whole directory whose conftest starts its servers
-#             for every test that wants one (so they start once), or every file sharing an
-#             expensive session fixture (so it loads once);
+# `python -m pytest` runs the suite on two workers (pyproject's addopts; `-n 0` runs it in one
+# process). What keeps that as safe as one process:
+#   groups    a worker takes a whole file (its module fixtures are built once), a whole folder
+#             whose conftest starts its servers for every test that wants one (so they start
+#             once), every file sharing an expensive session fixture (so it loads once), or every
+#             file importing Ray (one local cluster at a time); a group runs in collection order;
 #   order     the longest groups are handed out first, so no long one is left for the end;
 #   serial    a test marked `serial` (it asserts a wall-clock bound: a latency, a time to exit)
 #             runs alone: the other worker finishes its test and waits.
@@ -112,37 +113,56 @@ SERIAL_ELSEWHERE = (
 of node ids): they run as if marked `serial`."""
 
 
-def _group(item, file_groups: dict[str, str]) -> str:
-    parts = item.path.relative_to(item.config.rootpath).parts
+def file_scope(nodeid: str) -> str:
+    """The group of a test no mark places: its folder's in DIRECTORY_GROUPS, else its file's."""
+    parts = nodeid.split("::")[0].split("/")
     if len(parts) > 2 and parts[0] == "tests" and parts[1] in DIRECTORY_GROUPS:
         return parts[1]
-    return file_groups.get(str(item.path), "/".join(parts))
+    return "/".join(parts)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under xdist: mark `SERIAL_ELSEWHERE`, give each test its xdist group (before xdist reads
-    them) and put the longest groups first. A run without xdist keeps its order."""
+    """Marks `SERIAL_ELSEWHERE`. In an xdist worker also: an xdist_group mark on the files sharing
+    a fixture or module group (before xdist reads the marks), and the longest groups first. A run
+    without xdist keeps its order."""
     for item in items:
         if item.nodeid.startswith(SERIAL_ELSEWHERE):
             item.add_marker(pytest.mark.serial)
     if not hasattr(config, "workerinput"):  # not an xdist worker (a child pytest inherits their environment)
         return
-    file_groups = {}
+    shared = {}
     for item in items:
         for fixture, group in FIXTURE_GROUPS.items():
             if fixture in getattr(item, "fixturenames", ()):
-                file_groups[str(item.path)] = group
+                shared[item.path] = group
         module = getattr(item, "module", None)
         for name, group in MODULE_GROUPS.items():
             if getattr(getattr(module, name, None), "__name__", None) == name:
-                file_groups[str(item.path)] = group
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+                shared[item.path] = group
     groups = {}
     for item in items:
-        groups[id(item)] = _group(item, file_groups)
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+        groups[id(item)] = shared.get(item.path) or file_scope(item.nodeid)
+        if item.path in shared:
+            item.add_marker(pytest.mark.xdist_group(shared[item.path]))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: file order kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, with a test no xdist_group mark places grouped by file_scope (plain
+    loadgroup would hand out such tests one by one, building a module's fixtures on both workers)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            group = super()._split_scope(nodeid)
+            return file_scope(nodeid) if group == nodeid else group
+
+    return FileGroupScheduling(config, log)
 
 
 _locks: dict[str, Any] = {}
