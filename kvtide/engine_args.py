@@ -177,6 +177,17 @@ class EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
     # ---- config ------------------------------------------------------------------------------
+    def check_local_checkpoint(self) -> None:
+        """ValueError, in a fraction of a second, for a local checkpoint directory the engine would
+        refuse once loaded (models/preflight.py: architecture, truncated weights, no tokenizer);
+        anything else is left to the engine."""
+        import os
+
+        from kvtide.models.preflight import check_checkpoint_dir
+
+        if os.path.isdir(self.model):
+            check_checkpoint_dir(self.model, self.tokenizer, self.trust_remote_code)
+
     def resolve_model_dir(self) -> str:
         """A directory the loader reads: a checkpoint directory as it is, a hub id downloaded, a GGUF
         file (or a built-in name) turned into a cached directory whose weights stream from the file."""

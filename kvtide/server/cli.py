@@ -38,7 +38,6 @@ from kvtide.engine.chat_template import read_chat_template
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S, spawn_engine_core
 from kvtide.engine.dp_client import check_data_parallel_args
 from kvtide.engine_args import EngineArgs
-from kvtide.models.preflight import check_checkpoint_dir
 from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
@@ -148,8 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     check_data_parallel_args(engine_args)
     _check_port_free(args.host, args.port)
-    if os.path.isdir(model):  # a broken checkpoint is refused now, not after the engine core loaded it
-        check_checkpoint_dir(model, engine_args.tokenizer, engine_args.trust_remote_code)
+    engine_args.check_local_checkpoint()  # a broken checkpoint: refused now, not once the engine loaded it
     api_key = args.api_key or os.environ.get("KVTIDE_API_KEY") or None
     api_keys = _load_api_keys(args.api_keys_file, api_key)
     admin_api_key = args.admin_api_key or os.environ.get("KVTIDE_ADMIN_API_KEY") or None
