@@ -162,25 +162,7 @@ def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs) -> Exe
     return UniprocExecutor(config, model_dir)
 
 
-def _start_cpu_kernel_builds(args: EngineArgs) -> None:
-    """On a CPU engine, the compiled layer ops and paged attention (what every CPU model loads unless
-    another attention backend is asked for) built on threads from here on: preparing a GGUF file is
-    single-threaded Python, so on a cold cache the builds take the idle core meanwhile instead of
-    starting after it. The runner adds the quantized linears' build once the checkpoint says."""
-    import torch
-
-    if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
-        return
-    from kvtide.attention import cpu_extension
-    from kvtide.layers import layer_ops
-
-    layer_ops.prebuild()
-    if args.attention_backend in ("auto", "cpu"):
-        cpu_extension.prebuild_attention()
-
-
 def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
-    _start_cpu_kernel_builds(args)
     model_dir = args.resolve_model_dir()
     config = args.create_engine_config(model_dir)
     meter = _gpu_memory_meter(config)
