@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -77,6 +78,42 @@ def smollm2_llm():
     from kvtide import LLM
 
     return LLM(model="smollm2", device="cpu", dtype="float32", max_model_len=1024, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="session")
+def compiled_cpu_ops() -> list[str]:
+    """The compiled CPU ops (attention, layer ops, quantized linears) loaded in this process from
+    the usual cache, built there if it has none: a test that then points $KVTIDE_CACHE at a
+    directory of its own does not compile them again (a cold build is about 30 s of compiler CPU).
+    Their build directories, for `fresh_kvtide_cache`."""
+    from kvtide.attention import cpu_extension
+    from kvtide.layers import layer_ops
+    from kvtide.layers.quantization import cpu_kernels
+
+    cpu_extension.load_paged_attention(), layer_ops.available(), cpu_kernels.kernels_available()
+    isa = cpu_extension.available_isas()[0]
+    return [str(cpu_extension.build_directory(isa, source))
+            for source in (cpu_extension.SOURCE, layer_ops.SOURCE, cpu_kernels.SOURCE)]
+
+
+@pytest.fixture
+def fresh_kvtide_cache(tmp_path, compiled_cpu_ops):
+    """A new $KVTIDE_CACHE directory (0700) holding only copies of the compiled CPU ops' builds and
+    of the GEMM verdicts: what a test there prepares (GGUF directories, tokenizers) starts cold, and
+    a server it starts does not spend half a minute compiling kernels."""
+    from kvtide.models.cache_dir import cache_root
+
+    usual, cache = cache_root(), tmp_path / "kvtide-cache"
+    cache.mkdir(mode=0o700)
+    for build in compiled_cpu_ops:
+        if os.path.isdir(build):
+            shutil.copytree(build, cache / "torch_ext" / os.path.basename(build))
+    if os.path.isdir(os.path.join(usual, "gemm")):
+        shutil.copytree(os.path.join(usual, "gemm"), cache / "gemm")
+    for directory in (cache / "torch_ext", cache / "gemm"):
+        if directory.is_dir():
+            directory.chmod(0o700)
+    return str(cache)
 
 
 # ---- pytest-xdist ---------------------------------------------------------------------------

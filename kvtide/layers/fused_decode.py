@@ -16,7 +16,7 @@ installed (cpu_ops), float32 KV caches written and read by a backend's compiled 
 (`float_kernels_loaded()`). When (per step): every request row is a kernel row (no prefill chunk
 longer than the kernel's query length), no KV drop policy or attention-mass bookkeeping, one KV-group
 layout. Anything else takes the module path, which stays the reference; a model or layer that cannot
-run fused says why in the log once, at load.
+run fused says why in the log once, at load (KV caches off the float kernels: at the first step).
 """
 
 from __future__ import annotations

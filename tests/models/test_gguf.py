@@ -31,7 +31,9 @@ WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 
 
 @pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory, monkeypatch):
+def _own_cache(tmp_path_factory, monkeypatch, compiled_cpu_ops):
+    """Prepared GGUF directories go to a cache of this session's own; the compiled kernels are
+    loaded first, from the usual cache (not rebuilt in this one)."""
     monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path_factory.getbasetemp() / "kvtide-cache"))
 
 

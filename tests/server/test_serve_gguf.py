@@ -18,8 +18,8 @@ def gguf_file(tmp_path_factory) -> str:
     return write_gguf(ckpt, str(tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf"), "Q8_0")
 
 
-def test_served_gguf_answers_as_the_offline_engine(gguf_file, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTIDE_CACHE", str(tmp_path / "cache"))
+def test_served_gguf_answers_as_the_offline_engine(gguf_file, fresh_kvtide_cache, monkeypatch):
+    monkeypatch.setenv("KVTIDE_CACHE", fresh_kvtide_cache)
     offline = LLM(model=gguf_file, max_model_len=512, kv_cache_memory="8MiB")
     expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     server = launch_server(gguf_file, "--max-model-len", "512")
