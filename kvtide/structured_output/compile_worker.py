@@ -18,15 +18,15 @@ header["size"] bytes of payload.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
-import signal
 import struct
 import sys
 import time
 from typing import BinaryIO
+
+from kvtide.child_process import die_with_parent
 
 _HEADER = struct.Struct(">I")
 NICENESS = 5
@@ -62,15 +62,6 @@ def _read_exactly(stream: BinaryIO, size: int) -> bytes | None:
     return data
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the engine that started it exits (Linux), so no compile
-    outlives its engine."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _data_bytes() -> int:
     """This process's data segment now (VmData: heap, anonymous mappings, thread stacks)."""
     with open("/proc/self/status") as status:
@@ -82,7 +73,7 @@ def _data_bytes() -> int:
 
 def main() -> None:
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()  # no compile outlives the engine that started it
     os.nice(NICENESS)
     if os.getppid() != parent:
         return
