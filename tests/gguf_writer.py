@@ -15,11 +15,13 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "Phi3ForCausalLM": "phi3"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -108,16 +110,19 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch == "phi3":  # convert_hf_to_gguf.py's Phi3MiniModel: no key length, the rotated dims
+        _add_phi3_rope(writer, config, rope, head_dim)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config.get("rope_theta") or
                                     (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     _add_tokenizer(writer, checkpoint_dir, chat_template)
 
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(rope, head_dim))
     weights = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
@@ -138,6 +143,23 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _add_phi3_rope(writer: GGUFWriter, config: dict, rope: dict, head_dim: int) -> None:
+    """Phi-3's rope keys as llama.cpp's converter writes them; LongRoPE's factors as two F32 tensors."""
+    import math
+
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)
+    writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // config["num_attention_heads"])
+    original = config.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _add_tensor(writer: GGUFWriter, name: str, weight: np.ndarray, qtype: str, rng) -> None:

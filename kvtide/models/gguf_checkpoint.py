@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -26,11 +27,11 @@ from kvtide.models.cache_dir import build_cached_dir, cache_dir, private_cache_p
 
 MARKER = "kvtide_gguf.json"
 """File in a prepared directory naming the GGUF its weights come from."""
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 """Bumped when the prepared directory's contents change, so stale caches are rebuilt."""
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 """GGUF general.architecture -> the transformers architecture kvtide serves it as."""
 
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
@@ -47,6 +48,10 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_FUSED_LAYER_TENSORS = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                        "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+"""Phi-3's fused tensors, by row blocks: attn_qkv is [q; k; v], its ffn_up [gate; up]."""
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
 
@@ -106,7 +111,10 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
         raise ValueError(f"GGUF file {path} lacks {arch}.embedding_length, .block_count or "
                          f".attention.head_count: not a complete model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
+    if arch == "phi3":  # rope.dimension_count is the rotated part of the head
+        head_dim = key("attention.key_length") or hidden // num_heads
+    else:
+        head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -126,8 +134,10 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if key("attention.sliding_window") is not None:
+    if key("attention.sliding_window"):  # llama.cpp writes 0 for none
         config["sliding_window"] = key("attention.sliding_window")
+    if arch == "phi3":
+        config.update(phi3_rope_config(reader, key, config, head_dim, path))
     if key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"GGUF file {path} uses rotary scaling {key('rope.scaling.type')!r}, which kvtide does "
                          f"not read from GGUF yet; serve the Hugging Face checkpoint instead")
@@ -147,6 +157,42 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
     if config["vocab_size"] is None:
         raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor a tokenizer vocabulary")
     return config
+
+
+def phi3_rope_config(reader, key, config: dict[str, Any], head_dim: int, path: str) -> dict[str, Any]:
+    """Phi-3's partial rotary (rope.dimension_count of the head) and LongRoPE (the short and long
+    factors as tensors, the original context and attention factor as keys) as transformers' config."""
+    out: dict[str, Any] = {}
+    rotary_dim = key("rope.dimension_count") or head_dim
+    if rotary_dim != head_dim:
+        out["partial_rotary_factor"] = rotary_dim / head_dim
+    tensors = {t.name: t for t in reader.tensors if t.name in _LONGROPE_TENSORS}
+    if not tensors:
+        return out
+    if len(tensors) != 2:
+        raise ValueError(f"GGUF file {path} has {', '.join(tensors)} but not both LongRoPE factor tensors")
+    factors = {}
+    for name, tensor in tensors.items():
+        if tensor.tensor_type.name != "F32" or int(np.prod(tensor.shape)) != rotary_dim // 2:
+            raise ValueError(f"GGUF file {path}: {name} is {tensor.tensor_type.name} of {int(np.prod(tensor.shape))} "
+                             f"entries, expected F32 of {rotary_dim // 2}")
+        factors[name] = [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    original = int(key("rope.scaling.original_context_length") or config["max_position_embeddings"])
+    rope: dict[str, Any] = {"rope_type": "longrope", "rope_theta": config["rope_theta"],
+                            "long_factor": factors["rope_factors_long.weight"],
+                            "short_factor": factors["rope_factors_short.weight"],
+                            "original_max_position_embeddings": original}
+    # llama.cpp stores the attention factor transformers derives from the two lengths (in float32):
+    # kept only where it is another value, so the derived one is used bit for bit.
+    scale = config["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    stored = key("rope.scaling.attn_factor")
+    if stored is not None and abs(float(stored) - derived) > 1e-6 * derived:
+        rope["attention_factor"] = float(stored)
+    if rotary_dim != head_dim:
+        rope["partial_rotary_factor"] = rotary_dim / head_dim
+    out.update(rope_parameters=rope, original_max_position_embeddings=original)
+    return out
 
 
 def llama3_rope_from_factors(factors: np.ndarray, base: float, head_dim: int, original_context: int,
@@ -201,7 +247,11 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
     index = []
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # read into the config's rope parameters instead
+        if tensor.name == "rope_freqs.weight" or tensor.name in _LONGROPE_TENSORS:  # read into the config
+            continue
+        parts = tensor.name.split(".")
+        if arch == "phi3" and len(parts) == 4 and parts[2] in _FUSED_LAYER_TENSORS:
+            index.extend(_fused_row_blocks(reader, tensor, arch, path))
             continue
         name = _hf_name(tensor.name)
         if name is None:
@@ -213,6 +263,34 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
                       "shape": [int(d) for d in reversed(tensor.shape)], "offset": int(tensor.data_offset),
                       "nbytes": int(tensor.n_bytes), "permute_heads": heads})
     return index
+
+
+def _fused_row_blocks(reader, tensor, arch: str, path: str) -> list[dict[str, Any]]:
+    """Index entries for each row block of a fused tensor (attn_qkv, Phi-3's ffn_up), under the
+    unfused transformers names. A GGUF row is whole quantization blocks, so each block of rows is
+    its own byte range of the file: the blocks stay quantized where the layer keeps them so."""
+    _, layer, kind, suffix = tensor.name.split(".")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    shape = [int(d) for d in reversed(tensor.shape)]
+    rows = shape[0]
+    if kind == "attn_qkv":
+        head_dim = rows // (num_heads + 2 * num_kv_heads)
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    else:
+        sizes = [rows // 2, rows // 2]
+    if sum(sizes) != rows:
+        raise ValueError(f"GGUF file {path}: {tensor.name} has {rows} rows, which do not split into "
+                         f"{' + '.join(_FUSED_LAYER_TENSORS[kind])}")
+    row_bytes = int(tensor.n_bytes) // rows
+    entries, start = [], 0
+    for module, size in zip(_FUSED_LAYER_TENSORS[kind], sizes, strict=True):
+        entries.append({"name": f"model.layers.{layer}.{module}.{suffix}", "gguf_name": f"{tensor.name} ({module})",
+                        "type": tensor.tensor_type.name, "shape": [size, *shape[1:]],
+                        "offset": int(tensor.data_offset) + start * row_bytes, "nbytes": size * row_bytes,
+                        "permute_heads": None})
+        start += size
+    return entries
 
 
 def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None,

@@ -23,3 +23,33 @@ class LazyTensor:
 
     def materialize(self) -> torch.Tensor:
         return self._slice[:] if self.shape else self._slice[()]
+
+
+class LazyRows:
+    """Rows [start, start + length) of a LazyTensor, read only where narrowed: one shard of a fused
+    checkpoint tensor (Phi-3's qkv_proj), so a tensor-parallel rank still reads just its part."""
+
+    def __init__(self, parent: LazyTensor, start: int, length: int) -> None:
+        self._parent, self._start = parent, start
+        self.shape = torch.Size((length, *parent.shape[1:]))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._parent.narrow(0, self._start + start, length)
+        return self.materialize().narrow(dim, start, length)
+
+    def materialize(self) -> torch.Tensor:
+        return self._parent.narrow(0, self._start, self.shape[0])
+
+
+def row_range(tensor: torch.Tensor | LazyTensor | LazyRows, start: int, length: int
+              ) -> torch.Tensor | LazyRows:
+    """Rows [start, start + length) of a checkpoint tensor, lazy where it is."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(0, start, length)
+    if isinstance(tensor, LazyRows):
+        return LazyRows(tensor._parent, tensor._start + start, length)
+    return LazyRows(tensor, start, length)

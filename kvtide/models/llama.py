@@ -95,6 +95,8 @@ class LlamaAttention(nn.Module):
             return f"{type(self).__name__} changes the attention's forward"
         if self.q_norm is not None:
             return "attention with q/k norms"
+        if self.rotary_emb.head_dim != self.head_dim:
+            return "rotary over part of each head (partial_rotary_factor)"
         return FusedAttention(self.qkv_proj, self.o_proj, self.rotary_emb, self.attn, self.num_heads,
                               self.num_kv_heads, self.head_dim)
 
@@ -180,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config, self.rotary_dim(config), max_model_len, dtype)
+        rotary = self.build_rotary(config, max_model_len, dtype)
         self.rotary_emb = rotary
         # Pipeline parallelism: this stage builds layers [start_layer, end_layer) (the others are
         # weightless placeholders, so parameter names keep the checkpoint's layer indices), the
@@ -214,6 +216,10 @@ class LlamaForCausalLM(nn.Module):
     def rotary_dim(self, config) -> int:
         """The dimensions rotary embeddings rotate per head."""
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def build_rotary(self, config, max_model_len: int, dtype: torch.dtype) -> RotaryEmbedding:
+        """The rotary embedding every layer shares (a partial one: models/phi3.py)."""
+        return RotaryEmbedding(config, self.rotary_dim(config), max_model_len, dtype)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module | None:
         """Layer `layer_idx`'s feed-forward block; None: the dense gated MLP."""

@@ -9,6 +9,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("kvtide.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("kvtide.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kvtide.models.qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("kvtide.models.phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("kvtide.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("kvtide.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("kvtide.models.qwen_moe", "Qwen3MoeForCausalLM"),
