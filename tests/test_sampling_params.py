@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -75,7 +76,11 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("kwargs, name, allowed", BAD, ids=[f"{n}={list(k.values())}" for k, n, _ in BAD])
+# Ids must be the same in every pytest-xdist worker, so no object's address may appear in one.
+@pytest.mark.parametrize(
+    "kwargs, name, allowed", BAD,
+    ids=[re.sub(r" at 0x[0-9a-f]+", "", f"{n}={list(k.values())}") for k, n, _ in BAD],
+)
 def test_bad_value_names_parameter_and_range(kwargs, name, allowed):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
