@@ -156,8 +156,10 @@ class _Terminal:
         os.close(slave)
 
     def _read(self, deadline: float) -> bool:
-        ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        # poll, not select: a pytest-xdist worker that ran many tests may hold descriptors past 1024
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
             return False
         try:
             data = os.read(self.fd, 4096)
