@@ -12,6 +12,7 @@ import dataclasses
 
 from kvtide.config import EngineConfig
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvtide.structured_output.step import GrammarStep
 
 
 class SampledTokenRelay:
@@ -72,9 +73,10 @@ class GrammarAhead:
             self._propose = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max).propose_one
 
     def attach(self, so: SchedulerOutput) -> SchedulerOutput:
-        if so.grammar is None:
+        grammar = so.grammar
+        if not isinstance(grammar, GrammarStep):  # none, or already computed ahead
             return so
-        return dataclasses.replace(so, grammar=so.grammar.ahead(so.num_draft_tokens, self._propose))
+        return dataclasses.replace(so, grammar=grammar.ahead(so.num_draft_tokens, self._propose))
 
 
 def merge_expert_load(first: dict | None, last: dict | None) -> dict | None:
