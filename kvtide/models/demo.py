@@ -67,20 +67,17 @@ def make_random_checkpoint(path: str, architecture: str = "LlamaForCausalLM", se
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    config_cls = {
-        "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "MixtralForCausalLM": transformers.MixtralConfig, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
-        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
-        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
-    }[architecture]
+    model_cls = getattr(transformers, architecture, None)
+    if model_cls is None:
+        raise ValueError(f"transformers has no {architecture}")
+    config_cls = model_cls.config_class
     settings = dict(DEMO_CONFIG, vocab_size=BYTE_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                     pad_token_id=PAD_ID, initializer_range=initializer_range, tie_word_embeddings=False,
                     architectures=[architecture])
     settings.update(config_overrides)
     config = config_cls(**settings)
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).to(torch.float32).eval()
+    model = model_cls(config).to(torch.float32).eval()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     build_byte_tokenizer(settings["max_position_embeddings"]).save_pretrained(path)
