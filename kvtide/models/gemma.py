@@ -181,6 +181,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if tied and self.lm_head is not None:
             self.lm_head.tie(self.embed_tokens)
         self.logit_soft_cap = getattr(config, "final_logit_softcapping", None) if self.final_soft_cap else None
+        self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))
+        """sqrt(hidden_size) rounded to the model's dtype first, as transformers does (sqrt(3072) is
+        55.5 in bfloat16); the product is then rounded once, as with its 0-dim tensor."""
 
     def fused_decode_layers(self) -> str:
         return NOT_FUSED
@@ -192,11 +195,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """As LlamaForCausalLM.forward (early exit at `num_layers`, pipeline stages through
         `intermediate`), with each layer rotated by its own layer type's table."""
         if intermediate is None:
-            hidden_states = self.embed_tokens(input_ids)
-            # the normalizer rounded to the hidden dtype first, as transformers does (sqrt(3072)
-            # is 55.5 in bfloat16)
-            hidden_states = hidden_states * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden_states.dtype)
-            residual = None
+            hidden_states, residual = self.embed_tokens(input_ids) * self.embed_scale, None
         else:
             hidden_states, residual = intermediate
         cos_sin = {kind: rotary.cos_sin(positions) for kind, rotary in self.rotary_embs.items()}

@@ -26,6 +26,8 @@ from kvtide import LLM, SamplingParams
 from kvtide.kv_cache.hybrid import HybridKVCacheManager, blocks_held
 from kvtide.kv_cache.manager import cdiv
 from kvtide.models.demo import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer
+from kvtide.models.gemma import rope_config
+from kvtide.models.llama import sliding_window_for_layer
 
 WINDOW = 24
 MAX_TOKENS = 24
@@ -129,6 +131,20 @@ def test_the_attention_soft_cap_changes_hf_tokens(checkpoint_factory, tmp_path_f
     capped = gemma_dirs["Gemma2ForCausalLM"]
     assert any(hf_greedy(uncapped, p, MAX_TOKENS).token_ids != hf_greedy(capped, p, MAX_TOKENS).token_ids
                for p in PROMPTS)
+
+
+def test_layer_kinds_and_rope_bases_from_older_config_fields():
+    """Configs without layer_types or per-type rope parameters: every sliding_window_pattern-th layer
+    is global (transformers' rule: sliding iff (i + 1) % pattern), and the sliding layers rotate with
+    rope_local_base_freq while the global ones keep the config's rope."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(sliding_window=16, sliding_window_pattern=3, num_hidden_layers=6, layer_types=None)
+    assert [sliding_window_for_layer(config, i) for i in range(6)] == [16, 16, None, 16, 16, None]
+    legacy = SimpleNamespace(rope_parameters={"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             rope_local_base_freq=1e4)
+    assert rope_config(legacy, "sliding_attention").rope_parameters == {"rope_type": "default", "rope_theta": 1e4}
+    assert rope_config(legacy, "full_attention") is legacy
 
 
 # ---- engine paths ---------------------------------------------------------------------------------
