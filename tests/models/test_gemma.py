@@ -260,14 +260,30 @@ def gemma3_multimodal_dir(tmp_path_factory) -> str:
     return path
 
 
-def test_conditional_generation_text_tower_matches_hf(gemma3_multimodal_dir):
+def nest_under_model(model_dir: str, tmp_path_factory) -> str:
+    """A copy of the checkpoint with its tensors named as transformers 5 holds them in memory
+    (model.language_model.*, model.vision_tower.*) instead of as it saves them (language_model.model.*)."""
+    renamed = str(tmp_path_factory.mktemp("gemma3-multimodal-nested"))
+    shutil.copytree(model_dir, renamed, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert sum(name.startswith("language_model.model.") for name in tensors) > 40
+    nested = {("model.language_model." + name.removeprefix("language_model.model.")
+               if name.startswith("language_model.model.") else "model." + name): t for name, t in tensors.items()}
+    save_file(nested, os.path.join(renamed, "model.safetensors"), metadata={"format": "pt"})
+    return renamed
+
+
+@pytest.mark.parametrize("layout", ["as-saved", "nested"])
+def test_conditional_generation_text_tower_matches_hf(gemma3_multimodal_dir, tmp_path_factory, layout):
     from transformers import Gemma3ForConditionalGeneration
 
     names = load_file(os.path.join(gemma3_multimodal_dir, "model.safetensors")).keys()
     assert any("vision_tower" in n for n in names) and any("language_model" in n for n in names)
     hf = Gemma3ForConditionalGeneration.from_pretrained(gemma3_multimodal_dir, dtype=torch.float32).eval()
     tokenizer = build_byte_tokenizer(1024)
-    llm = make_llm(gemma3_multimodal_dir)
+    served = gemma3_multimodal_dir if layout == "as-saved" else nest_under_model(gemma3_multimodal_dir,
+                                                                                  tmp_path_factory)
+    llm = make_llm(served)
     outputs = llm.generate(PROMPTS, GREEDY_LOGPROBS)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         ids = torch.tensor([tokenizer(prompt).input_ids])
