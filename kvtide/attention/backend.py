@@ -72,7 +72,8 @@ class AttentionBackend(abc.ABC):
     name: str = ""
     supports_logits_soft_cap = True
     """Whether `forward` applies `logits_soft_cap` (Gemma 2's cap * tanh(score / cap)); a backend
-    that cannot says so, and the engine refuses such a model on it by name."""
+    that cannot says so, and a capped attention layer (layers/attention.py) then refuses to run on
+    it with a ValueError naming the backend, never attending uncapped."""
 
     def __init__(self, kv_quant: KVQuantFormat | None = None) -> None:
         self.kv_quant = kv_quant
