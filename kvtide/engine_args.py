@@ -212,7 +212,7 @@ class EngineArgs:
         from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
         from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
         from kvtide.layers.quantization import resolve_quantization
-        from kvtide.models.registry import resolve_architecture
+        from kvtide.models.registry import served_config
         from kvtide.models.traits import check_model_options
         from kvtide.spec_decode.resolve import resolve_speculative_config
 
@@ -220,7 +220,7 @@ class EngineArgs:
             hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
         except Exception as e:
             raise ValueError(f"cannot read the model config in {model_dir}: {e}") from e
-        resolve_architecture(hf_config)
+        hf_config = served_config(hf_config)
         device = self.device
         if device == "auto":
             import torch

@@ -22,6 +22,7 @@ import abc
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvtide.kv_compression.formats import KVQuantFormat
 
@@ -69,6 +70,10 @@ class AttentionBackend(abc.ABC):
     """Writes new K/V into the paged cache and computes attention for a packed batch."""
 
     name: str = ""
+    supports_logits_soft_cap = True
+    """Whether `forward` applies `logits_soft_cap` (Gemma 2's cap * tanh(score / cap)); a backend
+    that cannot says so, and a capped attention layer (layers/attention.py) then refuses to run on
+    it with a ValueError naming the backend, never attending uncapped."""
 
     def __init__(self, kv_quant: KVQuantFormat | None = None) -> None:
         self.kv_quant = kv_quant
@@ -121,9 +126,10 @@ class AttentionBackend(abc.ABC):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim), each query
         attending to its request's cached context causally (within the window, plus the sinks).
+        `logits_soft_cap` c: every scaled score s becomes c * tanh(s / c) before masking and softmax.
         key/value are this step's new K/V (already in the cache), which a backend may read instead
         of the cache (unquantized: a quantized cache's attention reads the dequantized codes)."""
 
@@ -178,3 +184,29 @@ def decode_context_layout(md: AttentionMetadata, window: int | None,
             visible &= (pos[None, :] > (seq_lens[:, None] - 1 - window)) | (pos[None, :] < sink_tokens)
         md.backend_data[key] = (block_ids, visible)
     return md.backend_data[key]
+
+
+def soft_cap_scores(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) in place (scores already scaled), or scores unchanged without a cap."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def attend_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """SDPA over (B, H, Lq, D) queries and (B, H_kv, Lk, D) keys and values, `mask` (Lq, Lk) bool
+    or None for plain causal attention. With a soft cap, which SDPA cannot apply, the scores are
+    computed explicitly in float32: scale, cap, mask, softmax, then the weighted values."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=num_heads != num_kv_heads)
+    if num_heads != num_kv_heads:
+        key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = soft_cap_scores(torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale), logits_soft_cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril_()
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(value.dtype), value)

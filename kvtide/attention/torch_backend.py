@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from kvtide.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
+    attend_sdpa,
     decode_context_layout,
     prefill_mask,
     request_blocks,
+    soft_cap_scores,
 )
 
 SOFTMAX_CUTOFF = 64.0
@@ -67,22 +69,23 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         num_decodes = metadata.num_decodes
         if num_decodes == metadata.num_reqs:
-            return self._decode(query, kv_cache, metadata, scale, sliding_window, sink_tokens, kv_scale)
+            return self._decode(query, kv_cache, metadata, scale, sliding_window, sink_tokens, kv_scale,
+                                logits_soft_cap)
         output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale, sliding_window,
-                                                sink_tokens, kv_scale)
+                                                sink_tokens, kv_scale, logits_soft_cap)
         self._prefill(output, query, kv_cache, metadata, range(num_decodes, metadata.num_reqs), scale,
-                      sliding_window, key, value, sink_tokens, kv_scale)
+                      sliding_window, key, value, sink_tokens, kv_scale, logits_soft_cap)
         return output
 
     def _prefill(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                  md: AttentionMetadata, rows: range | list[int], scale: float, window: int | None,
                  key: torch.Tensor | None, value: torch.Tensor | None, sink_tokens: int = 0,
-                 kv_scale: torch.Tensor | None = None) -> None:
+                 kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> None:
         """Attends the prefill rows `rows` (ascending) into their tokens of output."""
         if self.kv_quant is not None:
             key = value = None  # attend what the cache holds
@@ -92,10 +95,10 @@ class TorchAttentionBackend(AttentionBackend):
             fresh = None if key is None or value is None else (key[start:end], value[start:end])
             if last > first:
                 output[start:end] = self._prefill_run(query[start:end], fresh, last - first + 1, scale,  # type: ignore[arg-type]
-                                                      window, sink_tokens)
+                                                      window, sink_tokens, logits_soft_cap)
             else:
                 output[start:end] = self._prefill_one(query[start:end], kv_cache, md, first, scale, window, fresh,
-                                                      sink_tokens, kv_scale)
+                                                      sink_tokens, kv_scale, logits_soft_cap)
 
     @staticmethod
     def _prefill_runs(md: AttentionMetadata, have_fresh: bool,
@@ -118,24 +121,24 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill_run(query: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], num: int, scale: float,
-                     window: int | None, sink_tokens: int = 0) -> torch.Tensor:
+                     window: int | None, sink_tokens: int = 0,
+                     logits_soft_cap: float | None = None) -> torch.Tensor:
         """`num` uncached prompts of equal length L in one causal SDPA over (num, H, L, D) views."""
         total, num_heads, head_dim = query.shape
         q_len = total // num
         key, value = fresh
         num_kv_heads = key.shape[1]
         mask = prefill_mask(q_len, q_len, window, query.device, sink_tokens)
-        out = F.scaled_dot_product_attention(
-            query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
-            key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
-            value.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out = attend_sdpa(query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
+                          key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
+                          value.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
+                          mask, scale, logits_soft_cap)
         return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
     # ---- decodes -----------------------------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 scale: float, window: int | None, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[0 if self.kv_quant is not None else 1]
         block_ids, bias = self._decode_layout(md, window, sink_tokens)
@@ -148,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
         for first in range(0, num_decodes, rows):
             chunk = slice(first, first + rows)
             key, value = self._gather(kv_cache, block_ids[chunk], head_dim, kv_scale, query.dtype)
-            out[:, chunk] = _attend(q[:, chunk], key.transpose(-1, -2), value, bias[chunk])
+            out[:, chunk] = _attend(q[:, chunk], key.transpose(-1, -2), value, bias[chunk], logits_soft_cap)
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
@@ -191,7 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
                      scale: float, window: int | None,
                      fresh: tuple[torch.Tensor, torch.Tensor] | None, sink_tokens: int = 0,
-                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
         key_valid = None
@@ -201,12 +204,9 @@ class TorchAttentionBackend(AttentionBackend):
             block_ids, key_valid = request_blocks(md, i, -(-seq_len // md.block_size))
             key, value = self._gather(kv_cache, block_ids[None], head_dim, kv_scale, query.dtype)
             key, value = key[:, 0, :seq_len], value[:, 0, :seq_len]
-        num_kv_heads = key.shape[0]
         mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens, key_valid)
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=num_heads != num_kv_heads)
+        out = attend_sdpa(query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), mask, scale,
+                          logits_soft_cap)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -218,9 +218,11 @@ def softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (H_kv, rows, group, D), keys_t (H_kv, rows, D, ctx), values (H_kv, rows, ctx, D), bias
-    broadcastable to (H_kv, rows, group, ctx) -> (H_kv, rows, group, D)."""
-    scores = torch.matmul(q, keys_t)  # (B1, B2, group, ctx)
-    probs = softmax_without_subnormals(scores.float() + bias).to(q.dtype)
+def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+            logits_soft_cap: float | None = None) -> torch.Tensor:
+    """q (H_kv, rows, group, D) already scaled, keys_t (H_kv, rows, D, ctx), values (H_kv, rows, ctx,
+    D), bias broadcastable to (H_kv, rows, group, ctx) -> (H_kv, rows, group, D). A soft cap bends
+    the scaled scores before the mask is added."""
+    scores = soft_cap_scores(torch.matmul(q, keys_t).float(), logits_soft_cap)  # (B1, B2, group, ctx), fresh
+    probs = softmax_without_subnormals(scores + bias).to(q.dtype)
     return torch.matmul(probs, values)

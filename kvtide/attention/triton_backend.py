@@ -28,9 +28,9 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         return paged_attention(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                                metadata.block_tables, num_reqs=metadata.num_reqs,
                                max_query_len=metadata.max_query_len, scale=scale,
                                sliding_window=sliding_window, sink_tokens=sink_tokens,
-                               kv_quant=self.kv_quant, kv_scale=kv_scale)
+                               kv_quant=self.kv_quant, kv_scale=kv_scale, logits_soft_cap=logits_soft_cap)

@@ -27,7 +27,8 @@ which the kernel addresses alike: (block, head) base + section offset + slot * s
 Query token t of a chunk of q_len tokens over seq_len context tokens sits at position
 seq_len - q_len + t and sees key j iff  j <= position  and, with a window W, j > position - W or
 j < sink_tokens. With a window the key loop starts at the window of the block's first query, after
-first visiting the sinks it would skip.
+first visiting the sinks it would skip. A logits soft cap c (Gemma 2) bends each scaled score s to
+c * tanh(s / c) before the mask, in float32 like the rest of the softmax.
 
 The dot runs in the query's dtype whatever the cache holds: a float cache of another dtype is
 converted per tile; quantized codes become small exact values (int8 codes and fp8 values are exact
@@ -329,13 +330,14 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, query_ptr, cache_ptr, kv_scale_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale_log2, num_reqs, head_dim, window, sink_tokens,
+        scale_log2, num_reqs, head_dim, window, sink_tokens, soft_cap_log2, two_over_soft_cap,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_h, k_slot_stride, v_offset, v_slot_stride, k_params_offset,
         v_params_offset, block_table_stride,
         K_KIND: tl.constexpr, V_KIND: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEADS_PADDED: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TILE_N: tl.constexpr,
-        KV_BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        KV_BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PADDED
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -410,6 +412,10 @@ def _paged_attention_kernel(
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * k_factor  # (BLOCK_M, TILE_N)
         if K_KIND == _INT8:
             scores = scores * _load_f16(cache_ptr + base + k_params_offset + slots * 2, key_valid)[None, :]
+        if USE_SOFT_CAP:
+            # cap * tanh(s / cap) on the natural-log score s = scores / log2(e), back in log2 units:
+            # tanh(y) = 1 - 2 / (e^(2y) + 1), and e^(2y) = 2^(2 * scores / cap) (saturates to +-1)
+            scores = soft_cap_log2 * (1.0 - 2.0 / (tl.exp2(scores * two_over_soft_cap) + 1.0))
         visible = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & ((keys[None, :] > q_pos[:, None] - window) | (keys[None, :] < sink_tokens))
@@ -490,14 +496,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, num_reqs: int, max_query_len: int,
                     scale: float, sliding_window: int | None = None, out: torch.Tensor | None = None,
                     tile_n: int | None = None, *, sink_tokens: int = 0, kv_quant: KVQuantFormat | None = None,
-                    kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query (num_tokens, num_heads, head_dim) packed per query_start_loc (num_reqs + 1,), over
     kv_cache -> (num_tokens, num_heads, head_dim) in the query's dtype. kv_cache is the float layout
     (2, num_blocks, block_size, num_kv_heads, head_dim), in any float dtype, or with kv_quant the
     quantized (num_kv_heads, num_blocks, block_bytes) uint8 one (fp8 scaled by kv_scale (2,)).
 
     seq_lens (num_reqs,) is each request's context after this step; block_tables (num_reqs, W) its
-    blocks. With a window the first sink_tokens keys stay visible. Sizes passed as ints (num_reqs,
+    blocks. With a window the first sink_tokens keys stay visible. `logits_soft_cap` c bends each
+    scaled score s to c * tanh(s / c) before masking (Gemma 2). Sizes passed as ints (num_reqs,
     max_query_len) are host values: no device sync."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3] if kv_quant is None else kv_cache.shape[0]
@@ -521,9 +528,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         out, query, kv_cache, kv_scale if kv_quant is not None and kv_quant.uses_tensor_scales else None,
         block_tables, query_start_loc, seq_lens,
         scale * LOG2E, num_reqs, head_dim, sliding_window or 0, sink_tokens if sliding_window else 0,
+        (logits_soft_cap or 1.0) * LOG2E, 2.0 / (logits_soft_cap or 1.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         **addressing, block_table_stride=block_tables.stride(0),
         K_KIND=k_kind, V_KIND=v_kind, QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_V=block_v,
-        KV_BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
+        KV_BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, **tiling)
     return out

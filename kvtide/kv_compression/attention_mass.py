@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kvtide.attention.backend import AttentionMetadata, prefill_mask, request_blocks
+from kvtide.attention.backend import AttentionMetadata, prefill_mask, request_blocks, soft_cap_scores
 
 
 def accumulate_attention_mass(acc: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                               md: AttentionMetadata, backend, scale: float, window: int | None,
-                              sink_tokens: int, kv_scale: torch.Tensor | None) -> None:
+                              sink_tokens: int, kv_scale: torch.Tensor | None, *,
+                              logits_soft_cap: float | None = None) -> None:
     """Add one layer's attention mass per (request row, block) into acc (num_reqs, max_blocks), the
     step's AttentionMetadata.attention_mass: the softmax weights each key received from this step's
     queries, summed over heads and queries, under exactly the mask the backend attended with
@@ -26,7 +27,8 @@ def accumulate_attention_mass(acc: torch.Tensor, query: torch.Tensor, kv_cache: 
         key = key[:seq_len]
         q = query[start:end].float()
         group = q.shape[1] // key.shape[1]
-        scores = torch.einsum("qhd,khd->hqk", q, key.repeat_interleave(group, dim=1)) * scale
+        scores = soft_cap_scores(torch.einsum("qhd,khd->hqk", q, key.repeat_interleave(group, dim=1)) * scale,
+                                 logits_soft_cap)
         mask = prefill_mask(end - start, seq_len, window, query.device, sink_tokens, key_valid)
         if mask is None:  # plain causal over a context that is all this step's
             mask = torch.ones(end - start, seq_len, dtype=torch.bool, device=query.device).tril_()

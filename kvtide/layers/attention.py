@@ -15,13 +15,15 @@ from kvtide.kv_compression.attention_mass import accumulate_attention_mass
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        """c: scaled scores s become c * tanh(s / c) before the mask and softmax (Gemma 2); None: as is."""
         self.sink_tokens = 0
         """With a window: the first keys every query still sees (set by the runner's KV policy)."""
         self.kv_cache: torch.Tensor | None = None
@@ -46,9 +48,22 @@ class Attention(nn.Module):
             calculate_kv_scale(self, k, v)
         self.backend.write_kv(k, v, self.kv_cache, metadata.slot_mapping, self.kv_scale)
         out = self.backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window, k, v,
-                                   sink_tokens=self.sink_tokens, kv_scale=self.kv_scale)
+                                   sink_tokens=self.sink_tokens, kv_scale=self.kv_scale,
+                                   **self._soft_cap_argument)
         mass = metadata.attention_mass
         if mass is not None:  # the score drop policy: what each cached block received, this layer
             accumulate_attention_mass(mass, q, self.kv_cache, metadata, self.backend, self.scale,
-                                      self.sliding_window, self.sink_tokens, self.kv_scale)
+                                      self.sliding_window, self.sink_tokens, self.kv_scale,
+                                      logits_soft_cap=self.logits_soft_cap)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    @property
+    def _soft_cap_argument(self) -> dict:
+        """The backend's `logits_soft_cap` keyword, only for a capped layer: an uncapped one calls
+        every backend as before."""
+        if self.logits_soft_cap is None:
+            return {}
+        if not self.backend.supports_logits_soft_cap:
+            raise ValueError(f"the {self.backend.name} attention backend does not apply attention logit "
+                             f"soft-capping, which this model's layers need; use --attention-backend torch")
+        return {"logits_soft_cap": self.logits_soft_cap}

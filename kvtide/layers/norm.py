@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; and Gemma's variant, which
+scales by (1 + weight) in float32."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual.add_(x)
         return self._norm(residual), residual
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32 and cast back once at the end
+    (checkpoints store the weight as an offset from 1, and transformers multiplies before the cast,
+    unlike Llama's norm). No fused residual form: Gemma adds residuals after its post-norms."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

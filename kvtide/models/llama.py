@@ -157,6 +157,9 @@ def sliding_window_for_layer(config, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
+    pattern = getattr(config, "sliding_window_pattern", None)
+    if pattern:  # Gemma configs without layer_types: every pattern-th layer is global
+        return window if (layer_idx + 1) % pattern else None
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return window

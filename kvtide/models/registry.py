@@ -15,7 +15,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("kvtide.models.qwen_moe", "Qwen3MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kvtide.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kvtide.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Gemma2ForCausalLM": ("kvtide.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("kvtide.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("kvtide.models.gemma", "Gemma3ForConditionalGeneration"),
 }
+TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration"})
+"""Multimodal architectures served as their text model: the engine reads their text_config."""
 
 
 def supported_architectures() -> list[str]:
@@ -34,3 +39,19 @@ def resolve_architecture(hf_config) -> str:
 def get_model_class(hf_config) -> type:
     module, name = _MODELS[resolve_architecture(hf_config)]
     return getattr(importlib.import_module(module), name)
+
+
+def served_config(hf_config):
+    """The config the engine sizes and builds the model from: `hf_config` itself, or for a
+    multimodal checkpoint (TEXT_TOWERS) its text_config, tagged with the checkpoint's architecture
+    and carrying the options the outer config holds for it (tied embeddings, dtype)."""
+    arch = resolve_architecture(hf_config)
+    if arch not in TEXT_TOWERS:
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = [arch]
+    for name in ("tie_word_embeddings", "dtype"):
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            setattr(text, name, value)
+    return text

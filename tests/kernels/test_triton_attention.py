@@ -121,6 +121,23 @@ def test_decode_only_batch(paged_batch, device, close, num_heads, num_kv_heads, 
     close(_triton(batch, 0.2, window), _reference(batch, 0.2, window), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_logits_soft_cap_equals_reference(paged_batch, device, close, dtype, window):
+    """Gemma 2's cap * tanh(score / cap), with scores well past the cap (scale 1 on head_dim 32)."""
+    batch = paged_batch(MIXED + VERIFY[:2], 8, 2, HEAD_DIM, 16, dtype, device, seed=11)
+    md, cap = batch.metadata, 3.0
+    cache = batch.kv_cache.clone()
+    TritonAttentionBackend().write_kv(batch.key, batch.value, cache, md.slot_mapping)
+    actual = TritonAttentionBackend().forward(batch.query, cache, md, 1.0, window, logits_soft_cap=cap)
+    ref_cache = batch.kv_cache.clone()
+    TorchReferenceBackend().write_kv(batch.key, batch.value, ref_cache, md.slot_mapping)
+    expected = TorchReferenceBackend().forward(batch.query, ref_cache, md, 1.0, window, logits_soft_cap=cap)
+    close(actual, expected, dtype)
+    uncapped = TorchReferenceBackend().forward(batch.query, ref_cache, md, 1.0, window)
+    assert (uncapped.float() - expected.float()).abs().max() > 0.1
+
+
 def test_odd_head_dim_and_wide_block_table(paged_batch, device, close):
     """head_dim not a power of two (masked lanes); block tables wider than needed (static buffers)."""
     batch = paged_batch(MIXED[:5], 6, 2, 40, 8, torch.float32, device, seed=9, table_width=20)
