@@ -98,6 +98,21 @@ class _Step:
 _CURRENT_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("kvtide_transformers_step",
                                                                              default=None)
 
+@dataclass
+class _AttentionCall:
+    """One layer's attention call as HF makes it: the shapes and arguments kvtide's layer takes."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None
+
+
+_PROBED_CALLS: contextvars.ContextVar[dict[int, _AttentionCall] | None] = contextvars.ContextVar(
+    "kvtide_transformers_probe", default=None)
+"""Set while TransformersForCausalLM probes its layers' attention calls: layer_idx -> the call."""
+
 UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
                                 "sinks": "attention sinks"}
 """Arguments HF modules may pass that kvtide's attention backends do not implement."""
@@ -110,10 +125,6 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     step's T new tokens -> ((1, T, H, D), no weights). The causal mask is the paged metadata's, so
     `attention_mask` is unused (transformers builds none for an implementation without a mask
     function)."""
-    step = _CURRENT_STEP.get()
-    if step is None:
-        raise RuntimeError(f"the {ATTENTION_IMPLEMENTATION!r} attention runs only inside "
-                           f"TransformersForCausalLM.forward, which provides the step's KV-cache metadata")
     for name, what in UNSUPPORTED_ATTENTION_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"{type(module).__name__} uses {what} ({name}), which kvtide's attention backends do "
@@ -122,17 +133,25 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if layer_idx is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: kvtide cannot tell which layer's KV cache "
                          f"it attends")
-    attn: Attention = step.layers[layer_idx]
     batch, num_heads, num_tokens, head_dim = query.shape
+    probed = _PROBED_CALLS.get()
+    if probed is not None:
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            raise ValueError(f"{type(module).__name__} (layer {layer_idx}) attends bidirectionally; kvtide runs "
+                             f"causal language models")
+        probed[layer_idx] = _AttentionCall(num_heads, key.shape[1], head_dim,
+                                           scaling if scaling is not None else head_dim ** -0.5,
+                                           kwargs.get("sliding_window"))
+        return query.new_zeros(batch, num_tokens, num_heads, head_dim), None
+    step = _CURRENT_STEP.get()
+    if step is None:
+        raise RuntimeError(f"the {ATTENTION_IMPLEMENTATION!r} attention runs only inside "
+                           f"TransformersForCausalLM.forward, which provides the step's KV-cache metadata")
+    attn: Attention = step.layers[layer_idx]
     if batch != 1 or num_heads != attn.num_heads or key.shape[1] != attn.num_kv_heads or head_dim != attn.head_dim:
         raise ValueError(f"layer {layer_idx} of {type(module).__name__} attends with query {tuple(query.shape)} "
                          f"and key {tuple(key.shape)}; kvtide sized its cache for {attn.num_heads} query and "
-                         f"{attn.num_kv_heads} KV heads of {attn.head_dim} dims from the config")
-    window = kwargs.get("sliding_window")
-    if window is not None and attn.sliding_window is None:
-        raise ValueError(f"layer {layer_idx} slides a window of {window} tokens that the config does not declare")
-    if scaling is not None:
-        attn.scale = scaling
+                         f"{attn.num_kv_heads} KV heads of {attn.head_dim} dims, as its first call had them")
     q = query[0].transpose(0, 1).contiguous()  # (T, H, D)
     k = key[0].transpose(0, 1).contiguous()  # (T, H_kv, D)
     v = value[0].transpose(0, 1).contiguous()
@@ -174,23 +193,36 @@ class TransformersForCausalLM(nn.Module):
         self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
         if self.tied:
             self.hf_model.tie_weights()
-        modules = _attention_modules(self.hf_model)
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        calls = self._probe_attention()
         layers = []
         for i in range(text_config.num_hidden_layers):
-            module = modules.get(i)
-            if module is not None and getattr(module, "is_causal", True) is False:
-                raise ValueError(f"{self.architecture}'s layer {i} attention is not causal; kvtide runs causal "
-                                 f"language models")
-            if module is not None and getattr(module, "sinks", None) is not None:
-                raise ValueError(f"{self.architecture} uses attention sinks, which kvtide's attention backends do "
-                                 f"not implement; the transformers fallback cannot run it")
-            scale = getattr(module, "scaling", None) or head_dim ** -0.5
-            layers.append(Attention(num_heads, head_dim, num_kv_heads, scale=scale,
-                                    sliding_window=sliding_window_for_layer(text_config, i)))
+            call = calls.get(i)
+            if call is None:
+                raise ValueError(f"{self.architecture}'s layer {i} does not call transformers' attention interface "
+                                 f"with a layer_idx; kvtide cannot give it a KV cache")
+            window = sliding_window_for_layer(text_config, i)
+            if call.sliding_window != window:
+                raise ValueError(f"{self.architecture}'s layer {i} attends within a window of {call.sliding_window} "
+                                 f"tokens where its config declares {window}; kvtide sizes and frees the KV cache "
+                                 f"by the config's")
+            layers.append(Attention(call.num_heads, call.head_dim, call.num_kv_heads, scale=call.scaling,
+                                    sliding_window=window))
         self.attn = nn.ModuleList(layers)
+
+    def _probe_attention(self) -> dict[int, _AttentionCall]:
+        """What each layer hands the attention function, from one token through the model (its
+        weights not loaded yet: only shapes and arguments count): the cache is sized by what HF
+        passes, not by config fields a model may ignore."""
+        calls: dict[int, _AttentionCall] = {}
+        token = _PROBED_CALLS.set(calls)
+        device = next(self.hf_model.parameters()).device
+        try:
+            with torch.inference_mode():
+                one = torch.zeros(1, 1, dtype=torch.long, device=device)
+                self.hf_model.get_decoder()(input_ids=one, position_ids=one, use_cache=False)
+        finally:
+            _PROBED_CALLS.reset(token)
+        return calls
 
     # ---- the model interface ---------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -268,12 +300,6 @@ class TransformersForCausalLM(nn.Module):
     @property
     def cuda_graph_safe(self) -> bool:
         return False
-
-
-def _attention_modules(hf_model: nn.Module) -> dict[int, nn.Module]:
-    """HF's attention modules by layer index: the modules with a layer_idx and a scaling."""
-    return {m.layer_idx: m for m in hf_model.modules()
-            if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "scaling")}
 
 
 def _refuse_unsupported_attention(text_config) -> None:

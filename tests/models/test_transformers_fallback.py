@@ -38,9 +38,12 @@ must reach kvtide's attention, and the logit scaling must reach compute_logits."
 CASES = {
     "llama-forced": ("LlamaForCausalLM", {}, "transformers"),
     "granite-auto": ("GraniteForCausalLM", GRANITE, "auto"),
+    "gpt2-auto": ("GPT2LMHeadModel", {}, "auto"),
 }
 """(architecture, config overrides, --model-impl): a native architecture forced through the fallback,
-and one kvtide has no module for, which auto sends there."""
+and two kvtide has no module for, which auto sends there. GPT-2 adds learned absolute positions
+(kvtide's positions must reach HF) and 4 KV heads where the config's unused num_key_value_heads
+says 2 (the cache must be sized by what HF's modules pass, not by that field)."""
 
 
 def case_dir(checkpoint_factory, case: str) -> str:
@@ -74,7 +77,7 @@ def test_batches_and_chunked_prefill_match_hf(checkpoint_factory, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_preemption_matches_hf(checkpoint_factory, case):
     model_dir = case_dir(checkpoint_factory, case)
-    probe = fallback_llm(model_dir, case, kv_cache_memory="1MiB")
+    probe = fallback_llm(model_dir, case, kv_cache_memory="4MiB")
     block_bytes = probe.engine.core.executor.kv_bytes_per_block()
     num_blocks = -(-MAX_MODEL_LEN // 16) + 3  # room for the longest request and little else
     prompts = PROMPTS[:10]
@@ -100,9 +103,14 @@ def test_warm_prefix_cache_matches_hf(checkpoint_factory, case):
         assert_logprobs_match_hf(hf_greedy(model_dir, prompt, MAX_TOKENS), out, f"{case} warm prompt {i}")
 
 
-def test_sliding_window_through_the_fallback_matches_hf(checkpoint_factory):
-    # HF's Mistral passes its window to the attention function; kvtide's layers take it from the config.
-    model_dir = checkpoint_factory("MistralForCausalLM", sliding_window=16)
+@pytest.mark.parametrize("architecture, overrides", [
+    ("MistralForCausalLM", dict(sliding_window=16)),
+    # Layers 2 and 3 slide, 0 and 1 see everything: one block table per layer kind (kv_cache/hybrid.py).
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+], ids=["mistral", "qwen2-mixed"])
+def test_sliding_window_through_the_fallback_matches_hf(checkpoint_factory, architecture, overrides):
+    # HF passes each layer's window to the attention function; kvtide's layers take it from the config.
+    model_dir = checkpoint_factory(architecture, **overrides)
     llm = make_llm(model_dir, model_impl="transformers", max_num_batched_tokens=48)
     prompts = [LONG_PROMPT, PROMPTS[5]]
     assert_greedy_matches_hf(model_dir, prompts, llm.generate(prompts, GREEDY))
@@ -174,6 +182,9 @@ def test_what_the_fallback_refuses(llama_dir, checkpoint_factory, tmp_path):
     remote = _edited_copy(llama_dir, str(tmp_path / "remote"), architectures=["MyOwnForCausalLM"],
                           auto_map={"AutoModelForCausalLM": "modeling_mine.MyOwnForCausalLM"})
     assert "--trust-remote-code" in _engine_error(remote)
+    softcapped = checkpoint_factory("Gemma2ForCausalLM", head_dim=32)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        make_llm(softcapped)
     granite = case_dir(checkpoint_factory, "granite-auto")
     assert "--tensor-parallel-size" in _engine_error(granite, tensor_parallel_size=2)
     assert "--speculative-config" in _engine_error(
