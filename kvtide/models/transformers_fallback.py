@@ -98,6 +98,7 @@ class _Step:
 _CURRENT_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("kvtide_transformers_step",
                                                                              default=None)
 
+
 @dataclass
 class _AttentionCall:
     """One layer's attention call as HF makes it: the shapes and arguments kvtide's layer takes."""
@@ -217,7 +218,7 @@ class TransformersForCausalLM(nn.Module):
         token = _PROBED_CALLS.set(calls)
         device = next(self.hf_model.parameters()).device
         try:
-            with torch.inference_mode():
+            with torch.no_grad():  # not inference mode: buffers a forward pass updates stay loadable
                 one = torch.zeros(1, 1, dtype=torch.long, device=device)
                 self.hf_model.get_decoder()(input_ids=one, position_ids=one, use_cache=False)
         finally:
