@@ -29,6 +29,7 @@ from test_hf_parity import (
 from kvtide import SamplingParams
 from kvtide.engine_args import EngineArgs
 from kvtide.models.model_impl import resolve_model_impl
+from kvtide.models.preflight import check_checkpoint_dir
 from kvtide.models.registry import supported_architectures
 from kvtide.models.transformers_fallback import TransformersForCausalLM
 
@@ -171,6 +172,16 @@ def test_unknown_architecture_names_itself_and_both_ways_forward(llama_dir, tmp_
     assert "FancyNewForCausalLM" in message and "--model-impl transformers" in message
     assert all(name in message for name in supported_architectures())
     assert "FancyNewForCausalLM" in _engine_error(model_dir, model_impl="transformers")
+    with pytest.raises(ValueError) as info:  # `kvtide serve`'s checkpoint preflight says the same
+        check_checkpoint_dir(model_dir)
+    assert str(info.value) == message
+
+
+def test_preflight_leaves_a_transformers_architecture_to_the_engine(checkpoint_factory):
+    granite = case_dir(checkpoint_factory, "granite-auto")
+    check_checkpoint_dir(granite)
+    with pytest.raises(ValueError, match="GraniteForCausalLM"):
+        check_checkpoint_dir(granite, model_impl="kvtide")
 
 
 def test_what_the_fallback_refuses(llama_dir, checkpoint_factory, tmp_path):
