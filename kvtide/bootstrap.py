@@ -39,6 +39,10 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    architecture: str = ""
+    """The architecture the model runs as (config.architectures)."""
+    model_impl: str = ""
+    """The implementation running it: "kvtide" (native) or "transformers" (the fallback)."""
 
 
 def eos_token_ids(model_dir: str, hf_config, load_tokenizer_fn) -> list[int]:
@@ -191,4 +195,7 @@ def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = N
     tokenizer_dir = args.tokenizer or model_dir
     hf_config = config.model_config.hf_config
     eos = eos_token_ids(model_dir, hf_config, lambda: load_tokenizer(tokenizer_dir, args.trust_remote_code))
-    return ModelInfo(model_dir, tokenizer_dir, hf_config.vocab_size, config.model_config.max_model_len, eos)
+    from kvtide.models.registry import architecture_name
+
+    return ModelInfo(model_dir, tokenizer_dir, hf_config.vocab_size, config.model_config.max_model_len, eos,
+                     architecture_name(hf_config), config.model_config.model_impl)

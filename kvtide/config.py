@@ -69,6 +69,9 @@ class ModelConfig:
     """The weight quantization the model loads with (layers/quantization/); None: float weights."""
     moe_capacity_factor: float | None = None
     """MoE models: tokens per expert per step capped at this times the even share; None: no cap."""
+    model_impl: str = "kvtide"
+    """The implementation that runs the model, as --model-impl resolved it: "kvtide" (kvtide's own
+    module) or "transformers" (Hugging Face's modeling code with kvtide's paged attention)."""
 
 
 @dataclass(frozen=True)

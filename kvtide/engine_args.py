@@ -59,6 +59,11 @@ class EngineArgs:
     """Seed for unseeded random sampling."""
     trust_remote_code: bool = False
     """Allow executing code shipped with the checkpoint (off: such checkpoints are refused)."""
+    model_impl: str = "auto"
+    """auto, kvtide (= vllm) or transformers: kvtide's own module for the architecture, or transformers'
+    modeling code run with kvtide's paged KV cache, batching and sampling (any *ForCausalLM whose
+    attention goes through transformers' attention interface; one rank, float weights, no drafts).
+    auto: kvtide's own module when it has one, else transformers'."""
     device: str = "auto"
     """auto, cpu or cuda."""
     attention_backend: str = "auto"
@@ -186,7 +191,7 @@ class EngineArgs:
         from kvtide.models.preflight import check_checkpoint_dir
 
         if os.path.isdir(self.model):
-            check_checkpoint_dir(self.model, self.tokenizer, self.trust_remote_code)
+            check_checkpoint_dir(self.model, self.tokenizer, self.trust_remote_code, self.model_impl)
 
     def resolve_model_dir(self) -> str:
         """A directory the loader reads: a checkpoint directory as it is, a hub id downloaded, a GGUF
@@ -212,7 +217,8 @@ class EngineArgs:
         from kvtide.kv_compression.policy import resolve_kv_cache_groups, resolve_kv_policy
         from kvtide.layers.cpu_gemm import check_mode as check_prepack_mode
         from kvtide.layers.quantization import resolve_quantization
-        from kvtide.models.registry import served_config
+        from kvtide.models.model_impl import check_transformers_fallback_options, resolve_model_impl
+        from kvtide.models.registry import TRANSFORMERS_IMPL, served_config
         from kvtide.models.traits import check_model_options
         from kvtide.spec_decode.resolve import resolve_speculative_config
 
@@ -221,6 +227,9 @@ class EngineArgs:
         except Exception as e:
             raise ValueError(f"cannot read the model config in {model_dir}: {e}") from e
         hf_config = served_config(hf_config)
+        model_impl = resolve_model_impl(hf_config, self.model_impl, self.trust_remote_code)
+        if model_impl == TRANSFORMERS_IMPL:
+            check_transformers_fallback_options(self, hf_config)
         device = self.device
         if device == "auto":
             import torch
@@ -295,7 +304,7 @@ class EngineArgs:
                                      max_model_len=max_model_len, seed=self.seed,
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
                                      hf_config=hf_config, quant_config=quant_config,
-                                     moe_capacity_factor=self.moe_capacity_factor),
+                                     moe_capacity_factor=self.moe_capacity_factor, model_impl=model_impl),
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,

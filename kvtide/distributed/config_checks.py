@@ -19,7 +19,7 @@ def usable_cpus() -> int:
 
 
 def resolve_parallel_config(args, hf_config, device: str, quant_config, speculative) -> ParallelConfig:
-    from kvtide.models.registry import resolve_architecture
+    from kvtide.models.registry import architecture_name
     from kvtide.models.traits import is_moe, uses_mla
 
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -29,7 +29,7 @@ def resolve_parallel_config(args, hf_config, device: str, quant_config, speculat
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
     world = tp * pp
-    arch = resolve_architecture(hf_config)
+    arch = architecture_name(hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:

@@ -80,6 +80,9 @@ class EngineCoreInfo:
     num_blocks: int
     block_size: int
     pid: int
+    architecture: str = ""
+    """The architecture the model runs as, and the implementation running it (kvtide or transformers)."""
+    model_impl: str = ""
 
 
 @dataclass

@@ -20,7 +20,7 @@ from kvtide.layers.quantization import finish_quantization, prepare_quantization
 from kvtide.layers.quantization.base import QuantizationConfig
 from kvtide.models.gguf_checkpoint import prepared_weights
 from kvtide.models.lazy_tensor import LazyTensor
-from kvtide.models.registry import get_model_class
+from kvtide.models.registry import NATIVE_IMPL, TRANSFORMERS_IMPL, get_model_class
 
 
 @contextlib.contextmanager
@@ -66,13 +66,17 @@ def iterate_weights(model_dir: str, quant_config: QuantizationConfig | None = No
 
 
 def load_model(model_dir: str, hf_config, dtype: torch.dtype, max_model_len: int,
-               device: str = "cpu", quant_config: QuantizationConfig | None = None) -> torch.nn.Module:
+               device: str = "cpu", quant_config: QuantizationConfig | None = None,
+               model_impl: str = NATIVE_IMPL, trust_remote_code: bool = False) -> torch.nn.Module:
     """`quant_config` (layers/quantization/): the layers it picks load in its format (or quantize
     their float weights after loading) and run its kernels. A scheme that calibrates on activations
-    (w8a8 with calibration data) is left float here and finished by the model runner."""
-    model_cls = get_model_class(hf_config)
+    (w8a8 with calibration data) is left float here and finished by the model runner.
+    `model_impl` (models/model_impl.py): kvtide's module, or transformers' own class with kvtide's
+    attention (which alone may run a checkpoint's remote code, if `trust_remote_code`)."""
+    model_cls = get_model_class(hf_config, model_impl)
+    extra = {"trust_remote_code": trust_remote_code} if model_impl == TRANSFORMERS_IMPL else {}
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, max_model_len, dtype)
+        model = model_cls(hf_config, max_model_len, dtype, **extra)
         if quant_config is not None:
             prepare_quantization(model, quant_config)
     loaded = model.load_weights(iterate_weights(model_dir, quant_config, lazy=get_tp_group().world_size > 1))

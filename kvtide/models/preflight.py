@@ -15,7 +15,14 @@ import json
 import os
 import struct
 
-from kvtide.models.registry import resolve_architecture
+from kvtide.models.registry import (
+    architecture_name,
+    is_native,
+    no_transformers_class_reason,
+    resolve_architecture,
+    transformers_causal_lm_names,
+    unsupported_architecture_message,
+)
 
 TOKENIZER_FILE_HINTS = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "spiece")
 """Prefixes of the files a tokenizer is built from (transformers' vocabulary files and configs)."""
@@ -23,21 +30,39 @@ TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
 """sentencepiece and tiktoken vocabularies, whatever their names."""
 
 
-def check_checkpoint_dir(model_dir: str, tokenizer_dir: str | None = None, trust_remote_code: bool = False) -> None:
-    """ValueError (the engine's message) if `model_dir` cannot be served: an architecture kvtide
-    does not implement, a truncated or corrupt safetensors file, or no tokenizer files in
-    `tokenizer_dir` (default: `model_dir`)."""
+def check_checkpoint_dir(model_dir: str, tokenizer_dir: str | None = None, trust_remote_code: bool = False,
+                         model_impl: str = "auto") -> None:
+    """ValueError (the engine's message) if `model_dir` cannot be served: an architecture neither
+    kvtide nor transformers implements (kvtide alone with `model_impl` kvtide or vllm), a truncated
+    or corrupt safetensors file, or no tokenizer files in `tokenizer_dir` (default: `model_dir`)."""
     if trust_remote_code:
         return
     config = _read_config(model_dir)
     if config is not None:
-        resolve_architecture(_Architectures(config.get("architectures")))
+        _check_architecture(_Architectures(config.get("architectures")), config, model_impl)
     for path in _safetensors_files(model_dir):
         check_safetensors_header(path)
     tokenizer_dir = tokenizer_dir or model_dir
     if os.path.isdir(tokenizer_dir) and not has_tokenizer_files(tokenizer_dir):
         raise ValueError(f"cannot load a tokenizer from {tokenizer_dir} (no tokenizer files in it); pass "
                          f"--tokenizer DIR, a directory with tokenizer.json or tokenizer_config.json")
+
+
+def _check_architecture(architectures: _Architectures, config: dict, model_impl: str) -> None:
+    """The engine's refusal of an architecture, where the names alone decide it: not native with
+    --model-impl kvtide, or (auto) neither native nor a causal LM transformers lists. The rest of
+    the fallback's checks (remote code, encoder-decoder, attention interface) are the engine's."""
+    if model_impl in ("kvtide", "vllm"):
+        resolve_architecture(architectures)
+        return
+    if model_impl != "auto" or is_native(architectures) or config.get("is_encoder_decoder") \
+            or "auto_map" in config:
+        return
+    known = transformers_causal_lm_names()
+    arch = architecture_name(architectures)
+    if known is not None and arch not in known:
+        raise ValueError(unsupported_architecture_message(
+            architectures.architectures, f"kvtide has no native module for it, and {no_transformers_class_reason(arch)}"))
 
 
 class _Architectures:

@@ -4,7 +4,7 @@ ValueError up front."""
 
 from __future__ import annotations
 
-from kvtide.models.registry import resolve_architecture
+from kvtide.models.registry import architecture_name
 
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                                "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
@@ -12,11 +12,11 @@ MLA_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 def is_moe(hf_config) -> bool:
-    return resolve_architecture(hf_config) in MOE_ARCHITECTURES
+    return architecture_name(hf_config) in MOE_ARCHITECTURES
 
 
 def uses_mla(hf_config) -> bool:
-    return resolve_architecture(hf_config) in MLA_ARCHITECTURES
+    return architecture_name(hf_config) in MLA_ARCHITECTURES
 
 
 def check_model_options(args, hf_config) -> None:
@@ -26,12 +26,12 @@ def check_model_options(args, hf_config) -> None:
     if factor is not None:
         if not is_moe(hf_config):
             raise ValueError(f"--moe-capacity-factor applies to mixture-of-experts models; "
-                             f"{resolve_architecture(hf_config)} has none")
+                             f"{architecture_name(hf_config)} has none")
         if not factor > 0:
             raise ValueError(f"moe_capacity_factor must be > 0, got {factor}")
     if not uses_mla(hf_config):
         return
-    arch = resolve_architecture(hf_config)
+    arch = architecture_name(hf_config)
     if args.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"{arch} keeps a latent (MLA) KV cache, which is stored in a float dtype only; "
                          f"--kv-cache-dtype {args.kv_cache_dtype} is not supported for it (use auto, float32, "

@@ -86,8 +86,10 @@ def build_app(state: ServerState) -> Any:
     async def list_models(raw_request: Request) -> JSONResponse:
         s = get_state(raw_request)
         root = s.engine.info.model_dir
+        info = s.engine.info
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kvtide", "root": root,
-                 "parent": None, "max_model_len": s.max_model_len} for name in s.settings.served_model_names]
+                 "parent": None, "max_model_len": s.max_model_len, "architecture": info.architecture,
+                 "model_impl": info.model_impl} for name in s.settings.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/metrics")

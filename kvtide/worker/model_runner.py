@@ -22,6 +22,7 @@ from kvtide.kv_compression.policy import apply_attention_window
 from kvtide.layers.quantization import weight_bytes
 from kvtide.models.cache_dir import check_triton_cache
 from kvtide.models.loader import load_model
+from kvtide.models.registry import architecture_name, describe_model_impl
 from kvtide.sampling.ops import compute_top_logprobs
 from kvtide.sampling.sampler import Sampler
 from kvtide.sampling_params import SamplingParams
@@ -60,7 +61,8 @@ class ModelRunner:
         elif self.device.type == "cuda":  # Triton loads the kernels it compiled from its cache: ours alone, or refused
             check_triton_cache()
         self.model = load_model(model_dir, mc.hf_config, mc.dtype, mc.max_model_len, str(self.device),
-                                mc.quant_config)
+                                mc.quant_config, mc.model_impl, mc.trust_remote_code)
+        logger.info("model: %s, implementation: %s", architecture_name(mc.hf_config), describe_model_impl(mc.model_impl))
         self.vocab_size = mc.hf_config.vocab_size
         # ---- KV cache format: a float dtype or a quantized layout every backend reads
         cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, mc.dtype)

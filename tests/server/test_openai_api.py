@@ -16,6 +16,7 @@ def test_models_version_health(server):
         models = c.get("/v1/models").json()
         assert [m["id"] for m in models["data"]] == [MODEL_NAME]
         assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+        assert (models["data"][0]["architecture"], models["data"][0]["model_impl"]) == ("LlamaForCausalLM", "kvtide")
         assert c.get("/version").json()["version"]
 
 
