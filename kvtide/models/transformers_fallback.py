@@ -108,14 +108,14 @@ class _AttentionCall:
     head_dim: int
     scaling: float
     sliding_window: int | None
+    softcap: float | None
 
 
 _PROBED_CALLS: contextvars.ContextVar[dict[int, _AttentionCall] | None] = contextvars.ContextVar(
     "kvtide_transformers_probe", default=None)
 """Set while TransformersForCausalLM probes its layers' attention calls: layer_idx -> the call."""
 
-UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
-                                "sinks": "attention sinks"}
+UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
 """Arguments HF modules may pass that kvtide's attention backends do not implement."""
 
 
@@ -142,7 +142,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                              f"causal language models")
         probed[layer_idx] = _AttentionCall(num_heads, key.shape[1], head_dim,
                                            scaling if scaling is not None else head_dim ** -0.5,
-                                           kwargs.get("sliding_window"))
+                                           kwargs.get("sliding_window"), kwargs.get("softcap"))
         return query.new_zeros(batch, num_tokens, num_heads, head_dim), None
     step = _CURRENT_STEP.get()
     if step is None:
@@ -181,7 +181,6 @@ class TransformersForCausalLM(nn.Module):
         if why_not is not None:
             raise ValueError(f"--model-impl transformers cannot run {architecture_name(config)}: {why_not}")
         text_config = config.get_text_config()
-        _refuse_unsupported_attention(text_config)
         register_attention()
         hf_config = copy.deepcopy(config)
         from transformers.initialization import no_init_weights
@@ -207,7 +206,7 @@ class TransformersForCausalLM(nn.Module):
                                  f"tokens where its config declares {window}; kvtide sizes and frees the KV cache "
                                  f"by the config's")
             layers.append(Attention(call.num_heads, call.head_dim, call.num_kv_heads, scale=call.scaling,
-                                    sliding_window=window))
+                                    sliding_window=window, logits_soft_cap=call.softcap))
         self.attn = nn.ModuleList(layers)
 
     def _probe_attention(self) -> dict[int, _AttentionCall]:
@@ -302,10 +301,3 @@ class TransformersForCausalLM(nn.Module):
     def cuda_graph_safe(self) -> bool:
         return False
 
-
-def _refuse_unsupported_attention(text_config) -> None:
-    """ValueError for attention features kvtide's backends lack, declared in the config."""
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise ValueError(f"{architecture_name(text_config)} soft-caps attention logits (attn_logit_softcapping="
-                         f"{text_config.attn_logit_softcapping}), which kvtide's attention backends do not "
-                         f"implement; the transformers fallback cannot run it")

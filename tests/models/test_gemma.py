@@ -219,6 +219,17 @@ def test_sliding_layers_free_their_blocks(gemma_dirs):
 
 
 # ---- backends --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_transformers_fallback_matches_hf(gemma_dirs, arch):
+    """`--model-impl transformers` on the same checkpoints: HF's Gemma modules with kvtide's paged
+    attention (the window per layer, and Gemma 2's soft cap, passed through to the backend)."""
+    from kvtide.models.transformers_fallback import TransformersForCausalLM
+
+    llm = make_llm(gemma_dirs[arch], model_impl="transformers", max_num_batched_tokens=48)
+    assert isinstance(llm.engine.core.executor.runner.model, TransformersForCausalLM)
+    assert_matches_hf(gemma_dirs[arch], PROMPTS, llm.generate(PROMPTS, GREEDY_LOGPROBS), check_logprobs=True)
+
+
 @pytest.mark.parametrize("backend", ["torch", "torch_ref"])
 def test_gemma2_on_the_torch_backends_matches_hf(gemma_dirs, backend):
     """The default CPU backend sends soft-capped layers to the torch paths (tested above); these are them."""
