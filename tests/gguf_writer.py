@@ -11,29 +11,33 @@ import json
 import os
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 _ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "Phi3ForCausalLM": "phi3"}
+         "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones
+_GEMMA_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm", pre_feedforward_layernorm="ffn_norm",
+                    post_feedforward_layernorm="post_ffw_norm")
+"""Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP."""
+GEMMA_ARCHS = ("gemma2", "gemma3")
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     rest = hf_name.removeprefix("model.layers.")
     layer, _, module = rest.partition(".")
     module, _, kind = module.rpartition(".")
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA_LAYER if arch in GEMMA_ARCHS else _LAYER)[module]}.{kind}"
 
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -113,15 +117,21 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if arch == "phi3":  # convert_hf_to_gguf.py's Phi3MiniModel: no key length, the rotated dims
         _add_phi3_rope(writer, config, rope, head_dim)
+    elif arch in GEMMA_ARCHS:
+        _add_gemma_keys(writer, arch, config, head_dim)
     else:
         writer.add_rope_dimension_count(head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta") or
-                                    (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    if arch not in GEMMA_ARCHS:
+        writer.add_rope_freq_base(float(config.get("rope_theta") or
+                                        (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    _add_tokenizer(writer, checkpoint_dir, chat_template)
+    if arch in GEMMA_ARCHS:
+        _add_sentencepiece_tokenizer(writer, checkpoint_dir, chat_template)
+    else:
+        _add_tokenizer(writer, checkpoint_dir, chat_template)
 
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(rope, head_dim))
@@ -130,7 +140,9 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
         weight = weights[hf_name].astype(np.float32)
-        name_ = gguf_name(hf_name)
+        name_ = gguf_name(hf_name, arch)
+        if arch in GEMMA_ARCHS and name_.endswith("norm.weight"):  # llama.cpp's RMSNorm scales by w, not 1 + w
+            weight = weight + 1
         if arch == "llama" and name_.endswith("attn_q.weight"):
             weight = llama_cpp_permute(weight, n_head)
         elif arch == "llama" and name_.endswith("attn_k.weight"):
@@ -143,6 +155,35 @@ def write_gguf(checkpoint_dir: str, out_path: str, tensor_types: dict[str, str] 
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _add_gemma_keys(writer: GGUFWriter, arch: str, config: dict, head_dim: int) -> None:
+    """The keys convert_hf_to_gguf.py's Gemma2Model / Gemma3Model write. What they leave out llama.cpp
+    fixes by convention (query scale 1/sqrt(head_dim) below 27B; sliding layers every other one
+    (Gemma 2), five of every six with rope base 10000 (Gemma 3)), so a checkpoint that departs from
+    it cannot be written: refused here rather than written wrong."""
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_sliding_window(config["sliding_window"])
+    pattern = 2 if arch == "gemma2" else 6
+    n = config["num_hidden_layers"]
+    expected = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    assert config["layer_types"] == expected, (config["layer_types"], expected)
+    assert config["query_pre_attn_scalar"] == head_dim
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        return
+    assert config.get("attn_logit_softcapping") is None
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    full, sliding = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+    assert sliding == {"rope_type": "default", "rope_theta": 10000.0}, sliding
+    writer.add_rope_freq_base(float(full["rope_theta"]))
+    if full.get("rope_type", "default") != "default":
+        assert full["rope_type"] == "linear", full
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
 
 
 def _add_phi3_rope(writer: GGUFWriter, config: dict, rope: dict, head_dim: int) -> None:
@@ -212,6 +253,74 @@ def _add_tokenizer(writer: GGUFWriter, checkpoint_dir: str, chat_template: str |
             template = f.read()
     if template:
         writer.add_chat_template(template)
+
+
+def _add_sentencepiece_tokenizer(writer: GGUFWriter, checkpoint_dir: str, chat_template: str | None) -> None:
+    """A Gemma tokenizer as llama.cpp stores it: model 'llama', tokens by id with scores and types
+    (control, unknown, byte), no merges."""
+    with open(os.path.join(checkpoint_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    with open(os.path.join(checkpoint_dir, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [None] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+
+    def token_type(token: str) -> TokenType:
+        if token == "<unk>":
+            return TokenType.UNKNOWN
+        if token in special:
+            return TokenType.CONTROL
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return TokenType.BYTE
+        return TokenType.NORMAL
+
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types([token_type(t) for t in tokens])
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("pad_token", writer.add_pad_token_id), ("unk_token", writer.add_unk_token_id)):
+        if tok_config.get(key) in vocab:
+            add(vocab[tok_config[key]])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    if chat_template or tok_config.get("chat_template"):
+        writer.add_chat_template(chat_template or tok_config["chat_template"])
+
+
+def build_gemma_checkpoint(path: str, architecture: str, seed: int = 0, **config) -> str:
+    """A seeded random Gemma checkpoint with a Gemma-style tokenizer: BPE over text whose spaces are
+    '▁', byte fallback to the 256 <0xXX> tokens, <pad> <eos> <bos> <unk> <mask> first (Gemma's ids
+    0-4), trained on the mixed text."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+
+    from kvtide.models.demo import CHAT_TEMPLATE, make_random_checkpoint
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
+    trainer_tok.train_from_iterator(MIXED_TEXT * 20, trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab = {token: i for i, token in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token, _ in sorted(trained["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in trained["merges"]]
+    hf_tok = GemmaTokenizer(vocab=vocab, merges=merges, chat_template=CHAT_TEMPLATE)
+    make_random_checkpoint(path, architecture, seed=seed, vocab_size=len(vocab), bos_token_id=vocab["<bos>"],
+                           eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"], **config)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    hf_tok.save_pretrained(path)
+    return path
 
 
 MIXED_TEXT = [

@@ -5,7 +5,8 @@ template and the (often quantized) tensors. `prepare_gguf_model_dir` turns the m
 cached directory (config.json, generation_config.json, tokenizer files, a marker naming the file), so
 the rest of the engine loads a GGUF model as it loads any checkpoint; the weights are not copied:
 `iterate_gguf_weights` streams them from the file, renamed to transformers' names and with
-llama.cpp's rotary permutation of q/k undone. Quantized linears and embeddings stay quantized
+llama.cpp's rotary permutation of q/k undone (and, for Gemma, the 1 its converter adds to every norm
+weight taken off again). Quantized linears and embeddings stay quantized
 (their block codes decoded into the engine's layout, layers/quantization/gguf.py); the rest is
 dequantized with the `gguf` package's own kernels.
 """
@@ -31,7 +32,8 @@ FORMAT_VERSION = "3"
 """Bumped when the prepared directory's contents change, so stale caches are rebuilt."""
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 """GGUF general.architecture -> the transformers architecture kvtide serves it as."""
 
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
@@ -48,6 +50,13 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER_TENSORS = dict(_LAYER_TENSORS, post_attention_norm="post_attention_layernorm",
+                            ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
+"""Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, not after attention."""
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA_NORM_SHIFT = 1.0
+"""llama.cpp's converter stores a Gemma norm weight w as 1 + w (its RMSNorm scales by the weight
+itself; transformers' and kvtide's Gemma norms scale by 1 + w), so it is subtracted on load."""
 _FUSED_LAYER_TENSORS = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                         "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
 """Phi-3's fused tensors, by row blocks: attn_qkv is [q; k; v], its ffn_up [gate; up]."""
@@ -138,7 +147,9 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
         config["sliding_window"] = key("attention.sliding_window")
     if arch == "phi3":
         config.update(phi3_rope_config(reader, key, config, head_dim, path))
-    if key("rope.scaling.type") not in (None, "none"):
+    if arch in GEMMA_ARCHITECTURES:
+        config.update(gemma_config(arch, key, config, path))
+    elif key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"GGUF file {path} uses rotary scaling {key('rope.scaling.type')!r}, which kvtide does "
                          f"not read from GGUF yet; serve the Hugging Face checkpoint instead")
     if "rope_freqs.weight" in tensor_names:
@@ -157,6 +168,49 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
     if config["vocab_size"] is None:
         raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor a tokenizer vocabulary")
     return config
+
+
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""Block counts llama.cpp takes for the 27B models, whose query scale is 1/sqrt(hidden / heads)."""
+
+
+def gemma_config(arch: str, key, config: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 2 / 3 fields of transformers' config. The file holds the sliding window, the soft caps
+    (Gemma 2) and the global rope (Gemma 3); the rest llama.cpp fixes by convention, so it is derived
+    here as llama.cpp does: the query scale is 1/sqrt(head_dim) except for the 27B models (by block
+    count) where it is 1/sqrt(hidden / heads); every other layer is sliding in Gemma 2, five of every
+    six in Gemma 3 (none without a window), whose sliding layers rotate with base 10000 and no scaling.
+    llama.cpp's defaults fill keys a file lacks: Gemma 2's window 4096 and caps 50 (attention) and 30
+    (logits); Gemma 3 caps nothing unless final_logit_softcapping is given."""
+    n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    out: dict[str, Any] = {"model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
+                           "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    is_27b = n_layers == GEMMA_27B_LAYERS[arch]
+    out["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim
+    window = key("attention.sliding_window")
+    if arch == "gemma2":
+        window = 4096 if window is None else window
+        out["attn_logit_softcapping"] = float(key("attn_logit_softcapping", 50.0))
+        out["final_logit_softcapping"] = float(key("final_logit_softcapping", 30.0))
+    else:
+        final_cap = key("final_logit_softcapping")
+        out["attn_logit_softcapping"] = None
+        out["final_logit_softcapping"] = float(final_cap) if final_cap else None
+    pattern = 2 if arch == "gemma2" else 6
+    out["sliding_window"] = window or None
+    out["layer_types"] = ["sliding_attention" if window and (i + 1) % pattern else "full_attention"
+                          for i in range(n_layers)]
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none") and (arch == "gemma2" or scaling != "linear"):
+        raise ValueError(f"GGUF file {path} uses rotary scaling {scaling!r}, which kvtide does not read from "
+                         f"a {arch} GGUF; serve the Hugging Face checkpoint instead")
+    if arch == "gemma3":
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if scaling == "linear":
+            full.update(rope_type="linear", factor=float(key("rope.scaling.factor")))
+        out["rope_parameters"] = {"full_attention": full,
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return out
 
 
 def phi3_rope_config(reader, key, config: dict[str, Any], head_dim: int, path: str) -> dict[str, Any]:
@@ -222,12 +276,13 @@ def llama3_rope_from_factors(factors: np.ndarray, base: float, head_dim: int, or
             "high_freq_factor": float(low + width), "original_max_position_embeddings": int(original_context)}
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -253,15 +308,18 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
         if arch == "phi3" and len(parts) == 4 and parts[2] in _FUSED_LAYER_TENSORS:
             index.extend(_fused_row_blocks(reader, tensor, arch, path))
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"GGUF file {path}: tensor {tensor.name!r} has no place in a {arch} model")
         heads = None
         if arch in _PERMUTED_ARCHITECTURES and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
-        index.append({"name": name, "gguf_name": tensor.name, "type": tensor.tensor_type.name,
-                      "shape": [int(d) for d in reversed(tensor.shape)], "offset": int(tensor.data_offset),
-                      "nbytes": int(tensor.n_bytes), "permute_heads": heads})
+        entry = {"name": name, "gguf_name": tensor.name, "type": tensor.tensor_type.name,
+                 "shape": [int(d) for d in reversed(tensor.shape)], "offset": int(tensor.data_offset),
+                 "nbytes": int(tensor.n_bytes), "permute_heads": heads}
+        if arch in GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+            entry["subtract"] = GEMMA_NORM_SHIFT
+        index.append(entry)
     return index
 
 
@@ -322,6 +380,8 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None,
         weight = np.require(weight, np.float32, ["C", "W"]).reshape(shape)
         if entry["permute_heads"]:
             weight = _unpermute(weight, entry["permute_heads"])
+        if entry.get("subtract"):
+            weight = weight - np.float32(entry["subtract"])
         yield entry["name"], torch.from_numpy(np.ascontiguousarray(weight))
 
 
