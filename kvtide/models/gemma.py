@@ -23,12 +23,11 @@ from torch import nn
 from kvtide.attention.backend import AttentionMetadata
 from kvtide.distributed import get_pp_group, split_evenly
 from kvtide.layers.activation import GeluAndMul
-from kvtide.layers.attention import Attention
 from kvtide.layers.embedding import LMHead, VocabEmbedding
-from kvtide.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvtide.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kvtide.layers.norm import OffsetRMSNorm
 from kvtide.layers.rotary import RotaryEmbedding
-from kvtide.models.llama import LlamaForCausalLM, OtherStageLayer, sliding_window_for_layer
+from kvtide.models.llama import LlamaAttention, LlamaForCausalLM, OtherStageLayer, sliding_window_for_layer
 
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 """transformers' activation names -> F.gelu's `approximate` (gelu_new and gelu_fast are the same
@@ -81,35 +80,20 @@ class GemmaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's (1 + w) q/k norms, scores scaled by query_pre_attn_scalar ** -0.5,
+    and (Gemma 2) a logit soft cap; one bias setting (attention_bias) for every projection."""
+
+    norm_class = OffsetRMSNorm
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool,
                  logits_soft_cap: float | None) -> None:
-        super().__init__()
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=bias)
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=config.query_pre_attn_scalar ** -0.5,
-                              sliding_window=sliding_window_for_layer(config, layer_idx),
-                              logits_soft_cap=logits_soft_cap)
+        super().__init__(config, layer_idx, 0, torch.float32, bias, bias, qk_norm, rotary,
+                         logits_soft_cap=logits_soft_cap)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        heads = self.qkv_proj(hidden_states).view(hidden_states.shape[0], -1, self.head_dim)
-        qk_heads = self.num_heads + self.num_kv_heads
-        q, k, v = heads[:, :self.num_heads], heads[:, self.num_heads:qk_heads], heads[:, qk_heads:]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(cos_sin, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+    def attention_scale(self, config) -> float:
+        return config.query_pre_attn_scalar ** -0.5
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -55,8 +55,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+    """The per-head q/k norms' class (where qk_norm is set)."""
+
     def __init__(self, config, layer_idx: int, max_model_len: int, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -67,12 +71,17 @@ class LlamaAttention(nn.Module):
         """This rank's query and KV heads (all of them at world size 1)."""
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              scale=self.head_dim ** -0.5,
-                              sliding_window=sliding_window_for_layer(config, layer_idx))
+                              scale=self.attention_scale(config),
+                              sliding_window=sliding_window_for_layer(config, layer_idx),
+                              logits_soft_cap=logits_soft_cap)
+
+    def attention_scale(self, config) -> float:
+        """What scores are scaled by before the softmax."""
+        return self.head_dim ** -0.5
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -95,6 +104,8 @@ class LlamaAttention(nn.Module):
             return f"{type(self).__name__} changes the attention's forward"
         if self.q_norm is not None:
             return "attention with q/k norms"
+        if self.attn.logits_soft_cap is not None:
+            return "attention logit soft-capping"
         if self.rotary_emb.head_dim != self.head_dim:
             return "rotary over part of each head (partial_rotary_factor)"
         return FusedAttention(self.qkv_proj, self.o_proj, self.rotary_emb, self.attn, self.num_heads,

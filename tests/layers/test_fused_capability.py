@@ -197,3 +197,19 @@ def test_cuda_graphs_ask_the_model_and_say_why_not(llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="kvtide.worker.cuda_graph"):
         assert maybe_capture_decode_graphs(_HostReadingModel(), cuda_config, torch.device("cuda")) is None
     assert "its attention reads per-step host lists" in caplog.text
+
+
+def test_a_soft_capped_attention_says_why_it_is_not_fused():
+    """A Llama attention built with a logit soft cap computes what the fused kernel does not."""
+    from types import SimpleNamespace
+
+    from kvtide.layers.rotary import RotaryEmbedding
+    from kvtide.models.llama import LlamaAttention
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+                             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)
+    rotary = RotaryEmbedding(config, 16, 128, torch.float32)
+    plain = LlamaAttention(config, 0, 128, torch.float32, False, False, False, rotary)
+    capped = LlamaAttention(config, 0, 128, torch.float32, False, False, False, rotary, logits_soft_cap=30.0)
+    assert not isinstance(plain.fused_decode_attention(), str)
+    assert capped.fused_decode_attention() == "attention logit soft-capping"
