@@ -11,6 +11,10 @@ Tokens arrive flat and packed (no padding); decode requests (one query token) co
 Which keys a query at position p sees: j <= p, and with a window W, j > p - W, except that the
 first `sink_tokens` keys stay visible (StreamingLLM's attention sinks; 0 without a window).
 
+Learned sink logits (gpt-oss), a different thing: one extra logit per query head, `sink_logits`
+(num_heads,), joins every query's softmax denominator and attends to nothing, so a head can give
+less than all of its weight to the keys.
+
 The cache is in the backend's float layout, or, with a quantized `kv_quant` format, the shared byte
 layout of kv_compression/formats.py: (num_kv_heads, num_blocks, block_bytes) uint8, dequantized
 inside attention with the layer's `kv_scale` (2,) float32 tensor (fp8's per-tensor K and V scales).
@@ -74,6 +78,9 @@ class AttentionBackend(abc.ABC):
     """Whether `forward` applies `logits_soft_cap` (Gemma 2's cap * tanh(score / cap)); a backend
     that cannot says so, and a capped attention layer (layers/attention.py) then refuses to run on
     it with a ValueError naming the backend, never attending uncapped."""
+    supports_attention_sinks = True
+    """Whether `forward` applies `sink_logits` (gpt-oss's learned per-head sink logit in every
+    softmax denominator); an attention layer with sinks refuses a backend that cannot, by name."""
 
     def __init__(self, kv_quant: KVQuantFormat | None = None) -> None:
         self.kv_quant = kv_quant
@@ -126,10 +133,12 @@ class AttentionBackend(abc.ABC):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim), each query
         attending to its request's cached context causally (within the window, plus the sinks).
         `logits_soft_cap` c: every scaled score s becomes c * tanh(s / c) before masking and softmax.
+        `sink_logits` (num_heads,): each head's learned logit, added to its softmax denominator.
         key/value are this step's new K/V (already in the cache), which a backend may read instead
         of the cache (unquantized: a quantized cache's attention reads the dequantized codes)."""
 
@@ -193,13 +202,25 @@ def soft_cap_scores(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores.div_(cap).tanh_().mul_(cap)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of `scores`, each row's denominator also holding exp(its sink logit):
+    `sink_logits` broadcasts to scores.shape[:-1] + (1,). The sink is one more column of the softmax,
+    dropped after it. Without sinks: the plain softmax."""
+    if sink_logits is None:
+        return scores.softmax(dim=-1)
+    column = sink_logits.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def attend_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+                scale: float, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over (B, H, Lq, D) queries and (B, H_kv, Lk, D) keys and values, `mask` (Lq, Lk) bool
-    or None for plain causal attention. With a soft cap, which SDPA cannot apply, the scores are
-    computed explicitly in float32: scale, cap, mask, softmax, then the weighted values."""
+    or None for plain causal attention. With a soft cap or sink logits (H,), which SDPA cannot
+    apply, the scores are computed explicitly in float32: scale, cap, mask, softmax (with the
+    sinks in its denominator), then the weighted values."""
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and sink_logits is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
                                               scale=scale, enable_gqa=num_heads != num_kv_heads)
     if num_heads != num_kv_heads:
@@ -208,5 +229,6 @@ def attend_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
     scores = soft_cap_scores(torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale), logits_soft_cap)
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril_()
-    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+    sinks = None if sink_logits is None else sink_logits.float().view(1, num_heads, 1, 1)
+    probs = softmax_with_sinks(scores.masked_fill_(~mask, float("-inf")), sinks)
     return torch.matmul(probs.to(value.dtype), value)

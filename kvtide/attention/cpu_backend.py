@@ -10,7 +10,7 @@
         dequantized inside the kernel, into a block-sized buffer
     longer rows (prefill chunks)             ->  the torch backend's SDPA paths
     layers with a logits soft cap (Gemma 2)  ->  the torch backend's paths for every row (the kernel
-                                                 does not cap scores)
+    or with learned sink logits (gpt-oss)        does not cap scores nor add sinks to its softmax)
 
 A quantized cache's K/V are written by the compiled write_kv_quant, which produces the reference
 codec's bytes (kv_compression/formats.py) without its per-call tensor temporaries.
@@ -67,16 +67,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         quantized = self.kv_quant is not None
         op = self._quant_op if quantized else self._op
         if (op is None or query.dtype not in KERNEL_DTYPES or query.device.type != "cpu"
                 or not (quantized or kv_cache.dtype in KERNEL_CACHE_DTYPES) or metadata.has_dropped_blocks
-                or logits_soft_cap is not None):
+                or logits_soft_cap is not None or sink_logits is not None):
             # dropped (-1) blocks: the torch paths mask them; the kernel takes only live ids. A soft
-            # cap: the compiled kernel does not bend scores, the torch paths do.
+            # cap or sink logits: the compiled kernel neither bends scores nor adds sinks, the torch
+            # paths do.
             return super().forward(query, kv_cache, metadata, scale, sliding_window, key, value,
-                                   sink_tokens=sink_tokens, kv_scale=kv_scale, logits_soft_cap=logits_soft_cap)
+                                   sink_tokens=sink_tokens, kv_scale=kv_scale, logits_soft_cap=logits_soft_cap,
+                                   sink_logits=sink_logits)
         output = torch.empty_like(query)
         kernel_runs, other_rows = self.split_rows(metadata)
         for run in kernel_runs:

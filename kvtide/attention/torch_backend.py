@@ -69,23 +69,25 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes = metadata.num_decodes
         if num_decodes == metadata.num_reqs:
             return self._decode(query, kv_cache, metadata, scale, sliding_window, sink_tokens, kv_scale,
-                                logits_soft_cap)
+                                logits_soft_cap, sink_logits)
         output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale, sliding_window,
-                                                sink_tokens, kv_scale, logits_soft_cap)
+                                                sink_tokens, kv_scale, logits_soft_cap, sink_logits)
         self._prefill(output, query, kv_cache, metadata, range(num_decodes, metadata.num_reqs), scale,
-                      sliding_window, key, value, sink_tokens, kv_scale, logits_soft_cap)
+                      sliding_window, key, value, sink_tokens, kv_scale, logits_soft_cap, sink_logits)
         return output
 
     def _prefill(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                  md: AttentionMetadata, rows: range | list[int], scale: float, window: int | None,
                  key: torch.Tensor | None, value: torch.Tensor | None, sink_tokens: int = 0,
-                 kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> None:
+                 kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                 sink_logits: torch.Tensor | None = None) -> None:
         """Attends the prefill rows `rows` (ascending) into their tokens of output."""
         if self.kv_quant is not None:
             key = value = None  # attend what the cache holds
@@ -95,10 +97,10 @@ class TorchAttentionBackend(AttentionBackend):
             fresh = None if key is None or value is None else (key[start:end], value[start:end])
             if last > first:
                 output[start:end] = self._prefill_run(query[start:end], fresh, last - first + 1, scale,  # type: ignore[arg-type]
-                                                      window, sink_tokens, logits_soft_cap)
+                                                      window, sink_tokens, logits_soft_cap, sink_logits)
             else:
                 output[start:end] = self._prefill_one(query[start:end], kv_cache, md, first, scale, window, fresh,
-                                                      sink_tokens, kv_scale, logits_soft_cap)
+                                                      sink_tokens, kv_scale, logits_soft_cap, sink_logits)
 
     @staticmethod
     def _prefill_runs(md: AttentionMetadata, have_fresh: bool,
@@ -122,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill_run(query: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], num: int, scale: float,
                      window: int | None, sink_tokens: int = 0,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
+                     logits_soft_cap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """`num` uncached prompts of equal length L in one causal SDPA over (num, H, L, D) views."""
         total, num_heads, head_dim = query.shape
         q_len = total // num
@@ -132,13 +134,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = attend_sdpa(query.view(num, q_len, num_heads, head_dim).transpose(1, 2),
                           key.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
                           value.view(num, q_len, num_kv_heads, head_dim).transpose(1, 2),
-                          mask, scale, logits_soft_cap)
+                          mask, scale, logits_soft_cap, sink_logits)
         return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
     # ---- decodes -----------------------------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 scale: float, window: int | None, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[0 if self.kv_quant is not None else 1]
         block_ids, bias = self._decode_layout(md, window, sink_tokens)
@@ -146,12 +149,14 @@ class TorchAttentionBackend(AttentionBackend):
         # Gathered contexts come head-major: (H_kv, rows, ctx, D) each, queries (H_kv, rows, group, D).
         q = (query * scale).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
         out = torch.empty_like(q)
+        # query head h = kv_head * group + g, as in q's view: (H_kv, 1, group, 1) against the scores
+        sinks = None if sink_logits is None else sink_logits.float().view(num_kv_heads, 1, group, 1)
         row_bytes = 2 * num_kv_heads * block_ids.shape[1] * md.block_size * head_dim * query.element_size()
         rows = max(1, GATHER_CHUNK_BYTES // row_bytes)
         for first in range(0, num_decodes, rows):
             chunk = slice(first, first + rows)
             key, value = self._gather(kv_cache, block_ids[chunk], head_dim, kv_scale, query.dtype)
-            out[:, chunk] = _attend(q[:, chunk], key.transpose(-1, -2), value, bias[chunk], logits_soft_cap)
+            out[:, chunk] = _attend(q[:, chunk], key.transpose(-1, -2), value, bias[chunk], logits_soft_cap, sinks)
         return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int,
@@ -194,7 +199,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
                      scale: float, window: int | None,
                      fresh: tuple[torch.Tensor, torch.Tensor] | None, sink_tokens: int = 0,
-                     kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
         key_valid = None
@@ -206,23 +212,28 @@ class TorchAttentionBackend(AttentionBackend):
             key, value = key[:, 0, :seq_len], value[:, 0, :seq_len]
         mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens, key_valid)
         out = attend_sdpa(query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), mask, scale,
-                          logits_soft_cap)
+                          logits_soft_cap, sink_logits)
         return out.squeeze(0).transpose(0, 1)
 
 
-def softmax_without_subnormals(scores: torch.Tensor) -> torch.Tensor:
+def softmax_without_subnormals(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over the last dim of a fresh float32 tensor (modified in place), with weights below
-    e^-SOFTMAX_CUTOFF of the row's largest set to exactly 0 instead of left subnormal."""
+    e^-SOFTMAX_CUTOFF of the row's largest set to exactly 0 instead of left subnormal. `sinks`
+    (broadcast to scores.shape[:-1] + (1,)): one more logit per row in the denominator, dropped after."""
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
     scores -= scores.amax(dim=-1, keepdim=True)
     F.threshold_(scores, -SOFTMAX_CUTOFF, float("-inf"))  # x <= -cutoff -> -inf, in one pass
-    return scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    return probs if sinks is None else probs[..., :-1]
 
 
 def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-            logits_soft_cap: float | None = None) -> torch.Tensor:
+            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (H_kv, rows, group, D) already scaled, keys_t (H_kv, rows, D, ctx), values (H_kv, rows, ctx,
     D), bias broadcastable to (H_kv, rows, group, ctx) -> (H_kv, rows, group, D). A soft cap bends
-    the scaled scores before the mask is added."""
+    the scaled scores before the mask is added; `sinks` (H_kv, 1, group, 1) float32 join the softmax
+    denominators."""
     scores = soft_cap_scores(torch.matmul(q, keys_t).float(), logits_soft_cap)  # (B1, B2, group, ctx), fresh
-    probs = softmax_without_subnormals(scores + bias).to(q.dtype)
+    probs = softmax_without_subnormals(scores + bias, sinks).to(q.dtype)
     return torch.matmul(probs, values)

@@ -25,6 +25,7 @@ from kvtide.attention.backend import (
     prefill_mask,
     request_blocks,
     soft_cap_scores,
+    softmax_with_sinks,
 )
 
 
@@ -46,23 +47,26 @@ class TorchReferenceBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float, sliding_window: int | None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
-                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         output = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale,
-                                                sliding_window, sink_tokens, kv_scale, logits_soft_cap)
+                                                sliding_window, sink_tokens, kv_scale, logits_soft_cap, sink_logits)
         qsl = metadata.query_start_loc_cpu
         for i in range(num_decodes, metadata.num_reqs):
             start, end = qsl[i], qsl[i + 1]
             output[start:end] = self._prefill_one(query[start:end], kv_cache, metadata, i, scale,
-                                                  sliding_window, sink_tokens, kv_scale, logits_soft_cap)
+                                                  sliding_window, sink_tokens, kv_scale, logits_soft_cap,
+                                                  sink_logits)
         return output
 
     # ---- decodes: one batched SDPA -----------------------------------------------------------
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 scale: float, window: int | None, sink_tokens: int,
-                kv_scale: torch.Tensor | None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None, logits_soft_cap: float | None = None,
+                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         block_ids, mask = self._decode_layout(md, window, sink_tokens)
         key, value = self.gather_blocks(kv_cache, block_ids.flatten(), head_dim, kv_scale, query.dtype)
@@ -70,13 +74,14 @@ class TorchReferenceBackend(AttentionBackend):
         # (num_decodes, ctx, H_kv, D) for every row
         key = key.view(num_decodes, -1, num_kv_heads, head_dim)
         value = value.view(num_decodes, -1, num_kv_heads, head_dim)
-        if logits_soft_cap is not None:  # SDPA cannot cap: scores spelled out, one query per row
+        if logits_soft_cap is not None or sink_logits is not None:  # beyond SDPA: scores spelled out
             group = num_heads // num_kv_heads
             key = key.repeat_interleave(group, dim=2).transpose(1, 2).float()  # (num_decodes, H, ctx, D)
             value = value.repeat_interleave(group, dim=2).transpose(1, 2)
             scores = torch.matmul(query.float().unsqueeze(2), key.transpose(-1, -2)).mul_(scale)
             scores = soft_cap_scores(scores, logits_soft_cap).masked_fill_(~mask, float("-inf"))
-            return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value).squeeze(2)
+            sinks = None if sink_logits is None else sink_logits.float().view(1, num_heads, 1, 1)
+            return torch.matmul(softmax_with_sinks(scores, sinks).to(value.dtype), value).squeeze(2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # (num_decodes, H, 1, D)
             key.transpose(1, 2), value.transpose(1, 2),
@@ -93,7 +98,8 @@ class TorchReferenceBackend(AttentionBackend):
     # ---- prefill chunks: one request at a time -----------------------------------------------
     def _prefill_one(self, query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
                      scale: float, window: int | None, sink_tokens: int,
-                     kv_scale: torch.Tensor | None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None, logits_soft_cap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         q_len, num_heads, head_dim = query.shape
         seq_len = md.seq_lens_cpu[i]
         block_ids, key_valid = request_blocks(md, i, -(-seq_len // md.block_size))
@@ -102,5 +108,5 @@ class TorchReferenceBackend(AttentionBackend):
         mask = prefill_mask(q_len, seq_len, window, query.device, sink_tokens, key_valid)
         out = attend_sdpa(query.transpose(0, 1).unsqueeze(0),  # (1, H, q_len, D)
                           key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
-                          mask, scale, logits_soft_cap)
+                          mask, scale, logits_soft_cap, sink_logits)
         return out.squeeze(0).transpose(0, 1)
