@@ -77,11 +77,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=self.attention_scale(config),
                               sliding_window=sliding_window_for_layer(config, layer_idx),
-                              logits_soft_cap=logits_soft_cap)
+                              logits_soft_cap=logits_soft_cap, sink_logits=self.attention_sink_logits())
 
     def attention_scale(self, config) -> float:
         """What scores are scaled by before the softmax."""
         return self.head_dim ** -0.5
+
+    def attention_sink_logits(self) -> torch.Tensor | None:
+        """The initial value of a learned sink logit per query head of this rank (gpt-oss), which
+        joins each softmax denominator; None: none (every other model)."""
+        return None
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -106,6 +111,8 @@ class LlamaAttention(nn.Module):
             return "attention with q/k norms"
         if self.attn.logits_soft_cap is not None:
             return "attention logit soft-capping"
+        if self.attn.sink_logits is not None:
+            return "attention sink logits"
         if self.rotary_emb.head_dim != self.head_dim:
             return "rotary over part of each head (partial_rotary_factor)"
         return FusedAttention(self.qkv_proj, self.o_proj, self.rotary_emb, self.attn, self.num_heads,

@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("kvtide.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("kvtide.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("kvtide.models.gemma", "Gemma3ForConditionalGeneration"),
+    "GptOssForCausalLM": ("kvtide.models.gpt_oss", "GptOssForCausalLM"),
 }
 TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration"})
 """Multimodal architectures served as their text model: the engine reads their text_config."""
