@@ -18,15 +18,21 @@ reuses through their hooks):
   The experts run in plain torch, one matmul pair per expert the step routes to (not on
   layers/moe's FusedMoE, whose w13 layout, activation and capacity/expert-parallel options do not
   cover these experts); weights are replicated on every tensor-parallel rank.
+
+MXFP4 checkpoints (the released gpt-oss weights): each expert weight comes as `<name>_blocks` and
+`<name>_scales`, dequantized to float here as both arrive (layers/quantization/mxfp4.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from kvtide.distributed import get_tp_group
-from kvtide.layers.linear import ReplicatedLinear, default_weight_loader
+from kvtide.layers.linear import ReplicatedLinear, default_weight_loader, materialize
+from kvtide.layers.quantization.mxfp4 import SUFFIXES, dequantize_expert_weight
 from kvtide.layers.rotary import RotaryEmbedding
 from kvtide.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -123,3 +129,25 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def fused_decode_layers(self) -> str:
         return NOT_FUSED
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(dequantized_experts(weights))
+
+
+def dequantized_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, with each MXFP4 pair (`<name>_blocks`, `<name>_scales`) replaced by
+    `<name>` in float32 once both have been read; a pair left incomplete is an error."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name.removesuffix(suffix)
+        parts = pending.setdefault(base, {})
+        parts[suffix] = materialize(tensor)
+        if len(parts) == len(SUFFIXES):
+            del pending[base]
+            yield base, dequantize_expert_weight(parts["_blocks"], parts["_scales"], torch.float32)
+    if pending:
+        raise ValueError(f"MXFP4 tensors without their pair: {sorted(f'{b}{s}' for b, p in pending.items() for s in p)}")

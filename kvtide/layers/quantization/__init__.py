@@ -29,6 +29,7 @@ CHECKPOINT_METHODS = {
     "compressed-tensors": "kvtide.layers.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "kvtide.layers.quantization.fp8_checkpoint:Fp8CheckpointConfig",
     "gguf": "kvtide.layers.quantization.gguf:GGUFConfig",
+    "mxfp4": "kvtide.layers.quantization.mxfp4:Mxfp4Config",
 }
 """quant_method as checkpoints declare it -> the config that reads that format."""
 QUANTIZATION_METHODS = tuple(dict.fromkeys(ONLINE_METHODS + tuple(CHECKPOINT_METHODS)))
