@@ -7,7 +7,9 @@ The tiny checkpoint alternates sliding (16-token window) and full layers, rotate
 experts, and has biases on every projection. transformers initializes the biases to 0 and the sinks
 near 0 and the norms to 1, which would leave them barely tested, so the fixture rewrites them with
 seeded noise (sinks of a few units, so some heads give the sink most of their weight). Guards check
-that the sinks and the window change HF's own tokens, so matching HF tests them.
+that the sinks and the window change HF's own tokens, so matching HF tests them. An MXFP4 copy of
+the checkpoint (its experts encoded from the format's description) is compared with HF run on the
+float weights it decodes to.
 """
 
 from __future__ import annotations
@@ -198,3 +200,54 @@ def test_sinks_are_loaded_per_layer_and_fast_paths_say_why_not(model_dir):
     assert "fused decode" in model.fused_decode_layers()
     assert all("sink logits" in layer.self_attn.fused_decode_attention() for layer in model.layers)
     assert "experts" in model.cuda_graph_unsupported()
+
+
+# ---- MXFP4 checkpoints ----------------------------------------------------------------------------
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(model_dir, tmp_path_factory) -> tuple[str, str]:
+    """(an MXFP4 checkpoint, the float checkpoint of exactly the values it decodes to): the experts
+    of `model_dir` encoded by tests/mxfp4_codec.py (written from the format), stored as gpt-oss
+    stores them ((E, out, in / 32, 16) blocks and (E, out, in / 32) scales, with
+    quantization_config.quant_method "mxfp4"), and the same decoded values saved as floats for HF."""
+    import json
+
+    from mxfp4_codec import encode_mxfp4
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    packed, equivalent = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(EXPERT_WEIGHTS):
+            blocks, scales, decoded = encode_mxfp4(tensor.transpose(1, 2))  # (E, out, in)
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            equivalent[name] = decoded.transpose(1, 2).contiguous()
+        else:
+            packed[name] = equivalent[name] = tensor
+    assert sum(name.endswith("_blocks") for name in packed) == 2 * CONFIG["num_hidden_layers"]
+    dirs = []
+    for kind, weights in (("mxfp4", packed), ("mxfp4-decoded", equivalent)):
+        path = str(tmp_path_factory.mktemp(f"gptoss-{kind}"))
+        shutil.copytree(model_dir, path, dirs_exist_ok=True)
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        dirs.append(path)
+    config_path = os.path.join(dirs[0], "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router",
+                                                                                         "model.embed_tokens", "lm_head"]}
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return dirs[0], dirs[1]
+
+
+def test_an_mxfp4_checkpoint_matches_hf_on_its_decoded_weights(mxfp4_dirs, model_dir):
+    mxfp4_dir, decoded_dir = mxfp4_dirs
+    # the encoding is lossy enough to matter: HF's own tokens move with it
+    assert any(hf_greedy(decoded_dir, p, MAX_TOKENS).token_ids != hf_greedy(model_dir, p, MAX_TOKENS).token_ids
+               for p in PROMPTS)
+    llm = make_llm(mxfp4_dir, max_num_batched_tokens=48)
+    assert llm.engine.core.executor.runner.model.quant_config.name == "mxfp4"
+    assert_matches_hf(decoded_dir, PROMPTS, llm.generate(PROMPTS, GREEDY_LOGPROBS), check_logprobs=True)
