@@ -20,8 +20,6 @@ from kvtide.attention.triton_kernels import paged_attention, write_kv_cache
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    supports_attention_sinks = False
-    """The kernels' online softmax has no per-head sink term yet: a layer with sink logits is refused."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
@@ -32,11 +30,9 @@ class TritonAttentionBackend(AttentionBackend):
                 value: torch.Tensor | None = None, *, sink_tokens: int = 0,
                 kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
                 sink_logits: torch.Tensor | None = None) -> torch.Tensor:
-        if sink_logits is not None:
-            raise ValueError("the triton attention backend does not apply attention sink logits; "
-                             "use --attention-backend torch")
         return paged_attention(query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                                metadata.block_tables, num_reqs=metadata.num_reqs,
                                max_query_len=metadata.max_query_len, scale=scale,
                                sliding_window=sliding_window, sink_tokens=sink_tokens,
-                               kv_quant=self.kv_quant, kv_scale=kv_scale, logits_soft_cap=logits_soft_cap)
+                               kv_quant=self.kv_quant, kv_scale=kv_scale, logits_soft_cap=logits_soft_cap,
+                               sink_logits=None if sink_logits is None else sink_logits.float().contiguous())

@@ -329,15 +329,15 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def _paged_attention_kernel(
-        out_ptr, query_ptr, cache_ptr, kv_scale_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale_log2, num_reqs, head_dim, window, sink_tokens, soft_cap_log2, two_over_soft_cap,
+        out_ptr, query_ptr, cache_ptr, kv_scale_ptr, sink_logits_ptr, block_tables_ptr, query_start_loc_ptr,
+        seq_lens_ptr, scale_log2, num_reqs, head_dim, window, sink_tokens, soft_cap_log2, two_over_soft_cap,
         query_stride_t, query_stride_h, out_stride_t, out_stride_h,
         cache_stride_block, cache_stride_h, k_slot_stride, v_offset, v_slot_stride, k_params_offset,
         v_params_offset, block_table_stride,
         K_KIND: tl.constexpr, V_KIND: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEADS_PADDED: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, TILE_N: tl.constexpr,
         KV_BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        USE_SINK_LOGITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PADDED
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -393,6 +393,10 @@ def _paged_attention_kernel(
     # 3. online softmax over key tiles: the sink tiles [0, sink_end), then [kv_start, kv_end)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives no NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINK_LOGITS:  # each head's sink starts its row as a key of weight exp(sink) and no value
+        sink = tl.load(sink_logits_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+        m_i = tl.where(row_valid, sink * 1.4426950408889634, m_i)  # log2 domain, as the scores
+        l_i = tl.where(row_valid, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     if V_KIND == _INT4:
         acc_hi = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
@@ -496,7 +500,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, num_reqs: int, max_query_len: int,
                     scale: float, sliding_window: int | None = None, out: torch.Tensor | None = None,
                     tile_n: int | None = None, *, sink_tokens: int = 0, kv_quant: KVQuantFormat | None = None,
-                    kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    kv_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                    sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """query (num_tokens, num_heads, head_dim) packed per query_start_loc (num_reqs + 1,), over
     kv_cache -> (num_tokens, num_heads, head_dim) in the query's dtype. kv_cache is the float layout
     (2, num_blocks, block_size, num_kv_heads, head_dim), in any float dtype, or with kv_quant the
@@ -504,7 +509,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
 
     seq_lens (num_reqs,) is each request's context after this step; block_tables (num_reqs, W) its
     blocks. With a window the first sink_tokens keys stay visible. `logits_soft_cap` c bends each
-    scaled score s to c * tanh(s / c) before masking (Gemma 2). Sizes passed as ints (num_reqs,
+    scaled score s to c * tanh(s / c) before masking (Gemma 2). `sink_logits` (num_heads,) float32: each
+    head's learned logit joins its softmax denominators (gpt-oss). Sizes passed as ints (num_reqs,
     max_query_len) are host values: no device sync."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3] if kv_quant is None else kv_cache.shape[0]
@@ -526,12 +532,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     grid = (num_tokens // tiling["BLOCK_Q"] + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, kv_cache, kv_scale if kv_quant is not None and kv_quant.uses_tensor_scales else None,
-        block_tables, query_start_loc, seq_lens,
+        sink_logits, block_tables, query_start_loc, seq_lens,
         scale * LOG2E, num_reqs, head_dim, sliding_window or 0, sink_tokens if sliding_window else 0,
         (logits_soft_cap or 1.0) * LOG2E, 2.0 / (logits_soft_cap or 1.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         **addressing, block_table_stride=block_tables.stride(0),
         K_KIND=k_kind, V_KIND=v_kind, QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_V=block_v,
         KV_BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINK_LOGITS=sink_logits is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, **tiling)
     return out

@@ -2,7 +2,7 @@
 dense float64 computation in which each head's sink logit is one more softmax column, dropped after
 the softmax (so the weights on the keys sum to less than 1), on random paged batches of decodes,
 prefills and cached prefixes, with and without a window, soft cap and GQA; a backend that cannot is
-refused by name. Not to be confused with `sink_tokens` (StreamingLLM's kept first keys)."""
+refused by name (Triton: tests/kernels/test_triton_attention.py). Not to be confused with `sink_tokens` (StreamingLLM's kept first keys)."""
 
 from __future__ import annotations
 
@@ -146,8 +146,4 @@ def test_a_backend_without_sinks_is_refused_by_name():
         attn(batch.query, batch.key, batch.value, batch.metadata)
     assert "sink_logits" in dict(attn.named_parameters())
     assert all(get_attention_backend(name).supports_attention_sinks for name in ("cpu", "torch", "torch_ref"))
-    # Triton's kernels have no sink term: it says so, and refuses if called with sinks anyway
-    triton = TritonAttentionBackend()
-    assert not triton.supports_attention_sinks
-    with pytest.raises(ValueError, match="triton attention backend does not apply attention sink logits"):
-        triton.forward(batch.query, batch.kv_cache, batch.metadata, SCALE, None, sink_logits=sink_logits_for(4))
+    assert TritonAttentionBackend.supports_attention_sinks  # tests/kernels/test_triton_attention.py

@@ -138,6 +138,28 @@ def test_logits_soft_cap_equals_reference(paged_batch, device, close, dtype, win
     assert (uncapped.float() - expected.float()).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_attention_sink_logits_equal_reference(paged_batch, device, close, dtype, window, cap):
+    """gpt-oss's per-head sink logits in every softmax denominator, from below to well above the
+    scores, with GQA 4, windows, verification rows, and a soft cap alongside."""
+    batch = paged_batch(MIXED + VERIFY[:2], 8, 2, HEAD_DIM, 16, dtype, device, seed=12)
+    md = batch.metadata
+    sinks = torch.linspace(-3.0, 5.0, 8, device=device)
+    cache = batch.kv_cache.clone()
+    TritonAttentionBackend().write_kv(batch.key, batch.value, cache, md.slot_mapping)
+    actual = TritonAttentionBackend().forward(batch.query, cache, md, 0.3, window, logits_soft_cap=cap,
+                                              sink_logits=sinks)
+    ref_cache = batch.kv_cache.clone()
+    TorchReferenceBackend().write_kv(batch.key, batch.value, ref_cache, md.slot_mapping)
+    expected = TorchReferenceBackend().forward(batch.query, ref_cache, md, 0.3, window, logits_soft_cap=cap,
+                                               sink_logits=sinks)
+    close(actual, expected, dtype)
+    sinkless = TorchReferenceBackend().forward(batch.query, ref_cache, md, 0.3, window, logits_soft_cap=cap)
+    assert (sinkless.float() - expected.float()).abs().max() > 0.1
+
+
 def test_odd_head_dim_and_wide_block_table(paged_batch, device, close):
     """head_dim not a power of two (masked lanes); block tables wider than needed (static buffers)."""
     batch = paged_batch(MIXED[:5], 6, 2, 40, 8, torch.float32, device, seed=9, table_width=20)
