@@ -26,7 +26,7 @@ POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp3
 
 
 def _attention(dtype: torch.dtype, qpk: int, max_query_len: int, head_dim: int, window: bool,
-               kinds: tuple[int, int] = (-1, -1), soft_cap: bool = False):
+               kinds: tuple[int, int] = (-1, -1), soft_cap: bool = False, sinks: bool = False):
     """kinds: (K, V) kind ids of formats.KIND_IDS, -1 for a float cache."""
     ptr = POINTER[dtype]
     tiling = attention_kernels.attention_tiling(qpk, max_query_len, head_dim, dtype)
@@ -34,7 +34,8 @@ def _attention(dtype: torch.dtype, qpk: int, max_query_len: int, head_dim: int, 
     fp8 = kinds[0] in (0, 1)
     signature = {
         "out_ptr": ptr, "query_ptr": ptr, "cache_ptr": ptr if kinds[0] < 0 else "*u8",
-        "kv_scale_ptr": "*fp32" if fp8 else "constexpr", "block_tables_ptr": "*i32",
+        "kv_scale_ptr": "*fp32" if fp8 else "constexpr", "sink_logits_ptr": "*fp32" if sinks else "constexpr",
+        "block_tables_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32", "num_reqs": "i32",
         "head_dim": "i32", "window": "i32", "sink_tokens": "i32", "soft_cap_log2": "fp32",
         "two_over_soft_cap": "fp32", "query_stride_t": "i32",
@@ -43,12 +44,14 @@ def _attention(dtype: torch.dtype, qpk: int, max_query_len: int, head_dim: int, 
         "k_params_offset": "i32", "v_params_offset": "i32", "block_table_stride": "i32"}
     block_v = max(16, triton.next_power_of_2(head_dim // 2)) if kinds[1] == 3 else tiling["BLOCK_D"]
     constexprs = dict(K_KIND=kinds[0], V_KIND=kinds[1], BLOCK_V=block_v, QUERIES_PER_KV=qpk, KV_BLOCK_SIZE=16,
-                      USE_WINDOW=window, USE_SOFT_CAP=soft_cap,
+                      USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINK_LOGITS=sinks,
                       DOT_PRECISION="ieee" if dtype == torch.float32 else None, **tiling)
     if not fp8:
         constexprs["kv_scale_ptr"] = None
+    if not sinks:
+        constexprs["sink_logits_ptr"] = None
     label = (f"attention {ptr} kinds={kinds} qpk={qpk} max_query_len={max_query_len} head_dim={head_dim} "
-             f"window={window} soft_cap={soft_cap}")
+             f"window={window} soft_cap={soft_cap} sinks={sinks}")
     return label, attention_kernels._paged_attention_kernel, signature, constexprs, options
 
 
@@ -115,6 +118,9 @@ def configurations(everything: bool):
     # attention logit soft-capping (Gemma 2): a bf16 decode and a bf16 windowed prefill
     yield _attention(torch.bfloat16, 2, 1, 256, False, soft_cap=True)
     yield _attention(torch.bfloat16, 2, 64, 256, True, soft_cap=True)
+    # attention sink logits (gpt-oss: head_dim 64, 8 queries per KV head, windowed and full layers)
+    yield _attention(torch.bfloat16, 8, 1, 64, True, sinks=True)
+    yield _attention(torch.bfloat16, 8, 64, 64, False, sinks=True)
     if not everything:  # float32 prefill: the most shared memory
         yield _attention(torch.float32, 8, 64, 128, True)
         yield _attention(torch.float32, 1, 64, 256, False)
