@@ -11,6 +11,7 @@ import functools
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvtide.models.demo import PAD_ID
@@ -94,3 +95,24 @@ def random_prompts(n: int, seed: int, min_words: int = 1, max_words: int = 40) -
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words)))
             for _ in range(n)]
+
+
+def assert_greedy_and_logprobs_match_hf(model_dir: str, prompts: list[str], outputs, max_tokens: int,
+                                        logprob_tol: float | None = None) -> None:
+    """Each output's tokens equal HF `generate`'s greedy ones (the first difference named), and with
+    `logprob_tol` each chosen token's logprob within it of HF's."""
+    assert len(outputs) == len(prompts)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        ref = hf_greedy(model_dir, prompt, max_tokens)
+        got = out.outputs[0].token_ids
+        assert out.prompt_token_ids == ref.prompt_ids, f"prompt {i}: tokenization differs"
+        if got != ref.token_ids:
+            first = next(j for j, (a, b) in enumerate(zip(got, ref.token_ids, strict=False)) if a != b)
+            pytest.fail(f"prompt {i} ({len(ref.prompt_ids)} tokens): first differing output token at {first}: "
+                        f"kvtide {got[first:first + 5]} vs HF {ref.token_ids[first:first + 5]}")
+        if logprob_tol is not None:
+            logprobs = out.outputs[0].logprobs
+            assert logprobs is not None and len(logprobs) == max_tokens
+            for step, token in enumerate(ref.token_ids):
+                assert logprobs[step][token].logprob == pytest.approx(ref.logprobs[step, token].item(),
+                                                                      abs=logprob_tol), f"prompt {i} step {step}"

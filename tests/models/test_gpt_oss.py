@@ -19,7 +19,13 @@ import shutil
 
 import pytest
 import torch
-from hf_reference import CJK_EMOJI_PROMPT, LONG_PROMPT, hf_greedy, hf_prompt_ids
+from hf_reference import (
+    CJK_EMOJI_PROMPT,
+    LONG_PROMPT,
+    assert_greedy_and_logprobs_match_hf,
+    hf_greedy,
+    hf_prompt_ids,
+)
 from safetensors.torch import load_file, save_file
 
 from kvtide import LLM, SamplingParams
@@ -87,21 +93,8 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
 
 
 def assert_matches_hf(model_dir: str, prompts: list[str], outputs, check_logprobs: bool = False) -> None:
-    assert len(outputs) == len(prompts)
-    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        ref = hf_greedy(model_dir, prompt, MAX_TOKENS)
-        got = out.outputs[0].token_ids
-        assert out.prompt_token_ids == ref.prompt_ids, f"prompt {i}: tokenization differs"
-        if got != ref.token_ids:
-            first = next(j for j, (a, b) in enumerate(zip(got, ref.token_ids, strict=False)) if a != b)
-            pytest.fail(f"prompt {i} ({len(ref.prompt_ids)} tokens): first differing output token at {first}: "
-                        f"kvtide {got[first:first + 5]} vs HF {ref.token_ids[first:first + 5]}")
-        if check_logprobs:
-            logprobs = out.outputs[0].logprobs
-            assert logprobs is not None and len(logprobs) == MAX_TOKENS
-            for step, token in enumerate(ref.token_ids):
-                assert logprobs[step][token].logprob == pytest.approx(ref.logprobs[step, token].item(),
-                                                                      abs=LOGPROB_TOL), f"prompt {i} step {step}"
+    assert_greedy_and_logprobs_match_hf(model_dir, prompts, outputs, MAX_TOKENS,
+                                        LOGPROB_TOL if check_logprobs else None)
 
 
 # ---- the checkpoint tests what it should -----------------------------------------------------------
