@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from kvtide.reasoning.base import ReasoningParser, StreamingReasoningParser
 from kvtide.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from kvtide.reasoning.gpt_oss import GptOssReasoningParser
 from kvtide.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
 }
 
 

@@ -96,6 +96,9 @@ class ReasoningParser:
     end_tag: ClassVar[str] = "</think>"
     reasoning_without_start_tag: ClassVar[bool]
     """What an output not opening with start_tag is: reasoning (the prompt opened the tag) or content."""
+    markers: ClassVar[tuple[str, ...] | None] = None
+    """The strings the parser reads, when not just its two tags: if any is a special token, the
+    server keeps special tokens in the text."""
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -103,6 +106,12 @@ class ReasoningParser:
     def streaming(self) -> StreamingReasoningParser:
         """Fresh per-request streaming state."""
         return StreamingReasoningParser(self.start_tag, self.end_tag, self.reasoning_without_start_tag)
+
+    def closed_by_prompt(self, prompt_text: str) -> bool:
+        """The prompt already ended the reasoning section (Qwen3 with thinking off): the whole
+        output is the answer."""
+        end = prompt_text.rfind(self.end_tag)
+        return end >= 0 and end > prompt_text.rfind(self.start_tag)
 
     def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output. Never raises."""

@@ -10,8 +10,8 @@ from typing import Any
 from kvtide.reasoning import ReasoningParser, get_reasoning_parser
 from kvtide.tool_parsers import ToolParser, get_tool_parser
 
-SPECIAL_MARKER_TOOL_PARSERS = ("mistral", "llama3_json")
-"""Formats whose markers ([TOOL_CALLS], <|python_tag|>) are special tokens in their models'
+SPECIAL_MARKER_TOOL_PARSERS = ("mistral", "llama3_json", "openai")
+"""Formats whose markers ([TOOL_CALLS], <|python_tag|>, harmony's <|channel|>) are special tokens in their models'
 tokenizers: their requests are detokenized with special tokens kept, or the parser never sees them."""
 
 
@@ -44,7 +44,8 @@ class OutputParsers:
             parsers.reasoning_parser = parser
             parsers.reasoning_end_token_ids = _tag_token_ids(tokenizer, parser.end_tag, reasoning_parser)
             special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-            parsers.reasoning_tags_special = parser.start_tag in special or parser.end_tag in special
+            parsers.reasoning_tags_special = any(m in special for m in parser.markers or (parser.start_tag,
+                                                                                          parser.end_tag))
         return parsers
 
 

@@ -14,6 +14,7 @@ from kvtide.tool_parsers.base import (
     ToolParser,
     make_tool_call_id,
 )
+from kvtide.tool_parsers.harmony import OpenAIToolParser
 from kvtide.tool_parsers.hermes import HermesToolParser
 from kvtide.tool_parsers.llama3_json import Llama3JsonToolParser
 from kvtide.tool_parsers.mistral import MistralToolParser
@@ -21,7 +22,8 @@ from kvtide.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser,
+                   PythonicToolParser)
 }
 
 

@@ -68,6 +68,26 @@ RECORDED = [
     ("qwen3", "", None, None),
     ("qwen3", "<think", None, "<think"),
     ("qwen3", "<think>x</thin", "x</thin", None),
+    (
+        "openai_gptoss",
+        "<|channel|>analysis<|message|>The user asks 2+2. Answer 4.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>2 + 2 = 4.",
+        "The user asks 2+2. Answer 4.",
+        "2 + 2 = 4.",
+    ),
+    (
+        "openai_gptoss",
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        "Need the weather.",
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"city": "Paris"}<|call|>',
+    ),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Still thinking", "Still thinking", None),
+    ("openai_gptoss", "<|channel|>final<|message|>Hi!<|return|>", None, "Hi!"),
+    ("openai_gptoss", "No harmony at all <|", None, "No harmony at all <|"),
+    ("openai_gptoss", "<|channel|>final", None, "<|channel|>final"),
+    ("openai_gptoss", "", None, None),
 ]
 
 
@@ -102,7 +122,9 @@ def test_streaming_matches_whole_for_every_split(case):
         assert stream(parser_name, chunks) == expected, label
 
 
-PIECES = ["<think>", "</think>", "<th", "ink>", "</", "think", ">", "<", " ", "\n", "a", "é", "x < y"]
+PIECES = ["<think>", "</think>", "<th", "ink>", "</", "think", ">", "<", " ", "\n", "a", "é", "x < y",
+          "<|channel|>", "<|message|>", "<|start|>assistant", "<|end|>", "<|call|>", "analysis", "final",
+          " to=functions.f", "<|", "|>"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -149,14 +171,33 @@ def test_qwen3_without_thinking_streams_content_at_once():
     assert state.finish() == (None, None)
 
 
+def test_gptoss_streams_reasoning_then_content_without_headers():
+    state = get_reasoning_parser("openai_gptoss")().streaming()
+    assert state.feed("<|channel|>analy") == (None, None)
+    assert state.feed("sis<|message|>Think") == ("Think", None)
+    assert state.feed("ing.<|end|><|start|>assistant<|chan") == ("ing.", None)
+    assert state.feed("nel|>final<|message|>Par") == (None, "Par")
+    assert state.feed("is.") == (None, "is.")
+    assert state.finish() == (None, None)
+
+
+def test_gptoss_ignores_final_messages_of_earlier_turns_in_the_prompt():
+    parser = get_reasoning_parser("openai_gptoss")()
+    prompt = ("<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>hello<|end|>"
+              "<|start|>user<|message|>2+2?<|end|><|start|>assistant")
+    assert not parser.closed_by_prompt(prompt)
+    assert get_reasoning_parser("qwen3")().closed_by_prompt("<think>\n\n</think>\n\n")
+
+
 def test_registry():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "openai_gptoss", "qwen3"}
     for name, parser in REASONING_PARSERS.items():
         assert get_reasoning_parser(name) is parser and parser.name == name
-        assert (parser.start_tag, parser.end_tag) == ("<think>", "</think>")
-        assert parser(tokenizer=object()).extract_reasoning("<think>a</think>b") == ("a", "b")
+        if name != "openai_gptoss":
+            assert (parser.start_tag, parser.end_tag) == ("<think>", "</think>")
+            assert parser(tokenizer=object()).extract_reasoning("<think>a</think>b") == ("a", "b")
     with pytest.raises(
-        ValueError, match=r"unknown reasoning parser 'nope'; choose one of: deepseek_r1, qwen3"
+        ValueError, match=r"unknown reasoning parser 'nope'; choose one of: deepseek_r1, openai_gptoss, qwen3"
     ):
         get_reasoning_parser("nope")
 

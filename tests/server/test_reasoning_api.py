@@ -65,6 +65,29 @@ def test_tool_calls_are_parsed_after_the_reasoning():
     assert expected["content"] == ""
 
 
+def test_gpt_oss_harmony_reasoning_then_calls():
+    text = ("<|channel|>analysis<|message|>Weather needs a call.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Lima", "days": 1}<|call|>')
+    gptoss, harmony_calls = get_reasoning_parser("openai_gptoss")(), get_tool_parser("openai")()
+    expected = assert_stream_equals_whole(lambda: ChoiceAssembler(gptoss, AutoToolStream(harmony_calls)), text)
+    assert expected["reasoning"] == "Weather needs a call."
+    assert expected["calls"] == [("get_weather", '{"city": "Lima", "days": 1}')]
+    assert expected["content"] == ""
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4"
+    expected = assert_stream_equals_whole(lambda: ChoiceAssembler(gptoss, AutoToolStream(harmony_calls)), answer)
+    assert (expected["reasoning"], expected["content"], expected["calls"]) == ("Easy.", "4", [])
+
+
+def test_harmony_markers_as_special_tokens_keep_special_tokens_in_the_text():
+    """gpt-oss's tags are several tokens, but its markers are special ones: the text must keep them."""
+    tokenizer = build_byte_tokenizer()
+    assert not OutputParsers.create(tokenizer, None, False, "openai_gptoss").reasoning_tags_special
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>", "<|end|>"]})
+    parsers = OutputParsers.create(tokenizer, "openai", True, "openai_gptoss")
+    assert parsers.reasoning_tags_special
+    assert tokenizer.decode(parsers.reasoning_end_token_ids) == "<|channel|>final<|message|>"
+
+
 def test_include_reasoning_false_drops_it():
     assembler = ChoiceAssembler(_qwen3(), PlainStream(), include_reasoning=False)
     delta = assembler.feed("<think>secret</think>shown")

@@ -312,6 +312,43 @@ RECORDED = [
     ("pythonic", "[]", "[]", []),
     ("pythonic", '[get_weather(city="SF"', '[get_weather(city="SF"', []),
     ("pythonic", "Sure, the weather in SF is sunny.", "Sure, the weather in SF is sunny.", []),
+    (
+        "openai",
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    ("openai", "<|channel|>analysis<|message|>2+2<|end|><|start|>assistant<|channel|>final<|message|>4", "4", []),
+    (
+        "openai",
+        '<|channel|>commentary to=functions.a <|constrain|>json<|message|>{"x": 1}<|call|><|start|>assistant'
+        "<|channel|>commentary to=functions.b<|message|>{}<|call|>",
+        None,
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    (
+        "openai",
+        '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"q": "é"}',
+        None,
+        [("f", {"q": "é"})],
+    ),
+    (
+        "openai",
+        "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.f<|message|>{}",
+        "Let me check.",
+        [("f", {})],
+    ),
+    (
+        "openai",
+        '<|channel|>commentary to=functions.f<|message|>{"x": ',
+        '<|channel|>commentary to=functions.f<|message|>{"x":',
+        [],
+    ),
+    ("openai", '<|channel|>commentary to=functions.f<|message|>[1]', "<|channel|>commentary to=functions.f<|message|>[1]", []),
+    ("openai", "Plain <|answer|> with |> bars", "Plain <|answer|> with |> bars", []),
+    ("openai", "Final text straight away, as after the reasoning parser.", "Final text straight away, as after the reasoning parser.", []),
 ]
 
 PARSERS = sorted(TOOL_PARSERS)
@@ -402,6 +439,15 @@ PIECES = [
     "true",
     "[TOOL_",
     "CALLS]",
+    "<|channel|>",
+    "commentary to=functions.f",
+    "analysis",
+    "final",
+    "<|message|>",
+    "<|start|>assistant",
+    "<|end|>",
+    "<|call|>",
+    "<|",
 ]
 
 
@@ -451,7 +497,7 @@ def test_tool_call_ids_are_openai_style_and_unique():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai", "pythonic"}
     for name, parser in TOOL_PARSERS.items():
         assert get_tool_parser(name) is parser and parser.name == name
         assert parser(tokenizer=object()).extract_tool_calls("hi").content == "hi"
@@ -470,6 +516,7 @@ def test_absurd_nesting_is_content_not_an_error():
         ("llama3_json", '{"name": "f", "parameters": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"),
         ("pythonic", "[f(x=" + "[" * 10_000 + "]" * 10_000 + ")]"),
         ("mistral", "[TOOL_CALLS]" + "[" * 100_000 + "]" * 100_000),
+        ("openai", "<|channel|>commentary to=functions.f<|message|>" + "[" * 100_000 + "]" * 100_000),
     ]:
         result = get_tool_parser(parser_name)().extract_tool_calls(text)
         assert result.tool_calls == [] and result.content == text, parser_name
@@ -483,3 +530,28 @@ def test_parsers_are_pure_python():
                 assert node.module.startswith("kvtide.tool_parsers"), (path.name, node.module)
     code = "import sys, kvtide.tool_parsers; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gpt_oss_calls_survive_the_reasoning_parser():
+    """The server runs the reasoning parser first and gives its content to the tool parser."""
+    from kvtide.reasoning import get_reasoning_parser
+
+    text = ("<|channel|>analysis<|message|>Weather first.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            '<|message|>{"city": "Oslo"}')
+    for label, chunks in splits(text, max_chunk=9, num_random=10):
+        reasoning_stream = get_reasoning_parser("openai_gptoss")().streaming()
+        tool_stream = get_tool_parser("openai")().streaming()
+        reasoning, content, calls = "", "", []
+        for part in [reasoning_stream.feed(c) for c in chunks] + [reasoning_stream.finish()]:
+            reasoning += part[0] or ""
+            message = tool_stream.feed(part[1] or "")
+            if message is not None:
+                content += message.content or ""
+                calls += message.tool_calls
+        tail = tool_stream.finish()
+        if tail is not None:
+            content += tail.content or ""
+            calls += tail.tool_calls
+        assert reasoning == "Weather first." and content == "Checking.", label
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})], label

@@ -249,10 +249,7 @@ class ChatServing:
         """The server's reasoning parser, unless the prompt already closed the reasoning section
         (e.g. Qwen3 with thinking off): then the whole output is the answer."""
         parser = self.state.parsers.reasoning_parser
-        if parser is None:
-            return None
-        end = prompt_text.rfind(parser.end_tag)
-        return None if end >= 0 and end > prompt_text.rfind(parser.start_tag) else parser
+        return None if parser is None or parser.closed_by_prompt(prompt_text) else parser
 
     def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,
                     reasoning: bool) -> tuple[StructuredOutputsParams | None, str | None]:
