@@ -166,7 +166,7 @@ def make_executor(config: EngineConfig, model_dir: str, args: EngineArgs) -> Exe
     return UniprocExecutor(config, model_dir)
 
 
-def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
+def build_engine_core(args: EngineArgs, data_parallel_rank: int | None = None) -> tuple[EngineCore, ModelInfo]:
     model_dir = args.resolve_model_dir()
     config = args.create_engine_config(model_dir)
     meter = _gpu_memory_meter(config)
@@ -186,7 +186,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelInfo]:
         connector = make_kv_connector(config.kv_transfer_config, executor.runner, config.model_config.model)
         executor.runner.kv_connector = connector.worker
     return EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code),
-                      connector), info
+                      connector, data_parallel_rank), info
 
 
 def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = None) -> ModelInfo:

@@ -132,6 +132,11 @@ class EngineArgs:
     in host memory, redis shares computed blocks between instances ("redis_url", "redis_ttl_s"), multi
     stacks both, p2p hands a prefill instance's prompt KV to a decode instance ("kv_ip", "kv_port",
     "kv_secret" or $KVTIDE_KV_SECRET). Fields: kvtide/disagg/config.py."""
+    kv_events_config: str | dict | None = None
+    """Publish the prefix cache's stored and removed blocks as vLLM's KV events, as JSON:
+    {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
+    "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv-events"} (llm-d's and Dynamo's KV-aware
+    routers read them). Fields: kvtide/kv_events/config.py."""
     kv_offload_memory: str | None = None
     """Host memory for the cpu_offload/multi tier, e.g. '8GiB' (default 1GiB); alone, it turns
     cpu_offload on."""
@@ -320,9 +325,20 @@ class EngineArgs:
                                        cpu_weight_prepack=self.cpu_weight_prepack),
             speculative_config=speculative,
             kv_transfer_config=kv_transfer,
+            kv_events_config=self._resolve_kv_events(),
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             parallel_config=parallel,
         )
+
+    def _resolve_kv_events(self):
+        """--kv-events-config, checked against the rest of the engine."""
+        from kvtide.kv_events import parse_kv_events_config
+
+        config = parse_kv_events_config(self.kv_events_config)
+        if config is not None and not self.enable_prefix_caching:
+            raise ValueError("--kv-events-config tells of the prefix cache's blocks: it needs prefix caching "
+                             "(drop --no-enable-prefix-caching)")
+        return config
 
     def _resolve_kv_transfer(self, parallel, kv_policy: dict):
         """--kv-transfer-config / --kv-offload-memory, checked against the rest of the engine."""

@@ -32,6 +32,8 @@ from kvtide.engine.beam_search import BeamSearch
 from kvtide.engine.expert_load import summarize as summarize_expert_load
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
+from kvtide.kv_events.events import KVEventRecorder
+from kvtide.kv_events.publisher import KVEventPublisher
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize
@@ -51,7 +53,8 @@ class Executor(Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor,
-                 load_tokenizer: Callable[[], Any] | None = None, kv_connector=None) -> None:
+                 load_tokenizer: Callable[[], Any] | None = None, kv_connector=None,
+                 data_parallel_rank: int | None = None) -> None:
         self.config = config
         self.executor = executor
         self.kv_connector = kv_connector
@@ -82,6 +85,12 @@ class EngineCore:
                                               initializer=getattr(executor, "init_worker_thread", None))
         self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         """The step running on the worker whose outputs are not processed yet."""
+        self.kv_events: KVEventPublisher | None = None
+        self._kv_event_recorder: KVEventRecorder | None = None
+        if config.kv_events_config is not None:
+            self._kv_event_recorder = KVEventRecorder()
+            self.kv_events = KVEventPublisher(config.kv_events_config, data_parallel_rank)
+            self.scheduler.kv_cache_manager.pool.event_sink = self._kv_event_recorder
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
@@ -176,6 +185,7 @@ class EngineCore:
         self.num_steps += 1
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
         if self.scheduler.spec_policy is not None:
             self._log_spec_decoding()
         if self.scheduler.expert_load is not None:
@@ -213,11 +223,17 @@ class EngineCore:
                         figures["worst_layer"], figures["hottest_expert"], figures["mean_imbalance"],
                         figures["assignments"], figures["dropped"])
 
+    def _publish_kv_events(self) -> None:
+        if self._kv_event_recorder is not None:
+            self.kv_events.publish(self._kv_event_recorder.take())  # type: ignore[union-attr]
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def check_integrity(self) -> None:
         self.scheduler.kv_cache_manager.check_integrity()
@@ -229,6 +245,8 @@ class EngineCore:
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 def _no_tokenizer():

@@ -198,7 +198,7 @@ class EngineCoreProc:
 
 # ---- process entry -------------------------------------------------------------------------------
 def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int,
-                    remote: Any = None) -> int:
+                    remote: Any = None, dp_rank: int | None = None) -> int:
     """Build the engine core and serve it on the two addresses (tcp ones handed over by a remote
     head when `remote`, dp_remote.join_head's grant: then losing the head ends this process)."""
     from kvtide.bootstrap import build_engine_core
@@ -220,7 +220,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
         output_socket.connect(output_addr)
     try:
         try:
-            core, info = build_engine_core(EngineArgs(**engine_args))
+            core, info = build_engine_core(EngineArgs(**engine_args), dp_rank)
         except ValueError as e:  # a bad checkpoint or flag: the API side prints it as one line
             output_socket.send(serialization.encode(["startup_error", str(e)]))
             return 1
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
         join_replica_expert_group(args.dp_rank, args.data_parallel_size, expert_group,
                                   engine_args.get("device", "auto"))
-    return run_engine_core(engine_args, input_addr, output_addr, args.parent_pid, remote=grant)
+    return run_engine_core(engine_args, input_addr, output_addr, args.parent_pid, remote=grant, dp_rank=args.dp_rank)
 
 
 if __name__ == "__main__":

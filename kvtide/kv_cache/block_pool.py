@@ -16,8 +16,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from kvtide.kv_cache.prefix_cache import BlockHash
+
+
+class KVEventSink(Protocol):
+    """What the pool tells of its prefix cache (kv_events/events.KVEventRecorder)."""
+
+    def stored(self, key: BlockHash, parent_key: BlockHash | None) -> None: ...
+    def removed(self, key: BlockHash) -> None: ...
+    def cleared(self) -> None: ...
 
 
 class KVCacheBlock:
@@ -54,6 +63,9 @@ class BlockPool:
         self.evict_listener: Callable[[int, BlockHash], None] | None = None
         """Told (block id, key) as a published block is taken for reuse, before anyone writes it
         (a KV connector's host-memory tier copies it out)."""
+        self.event_sink: KVEventSink | None = None
+        """Told every key published, dropped and cleared (kv_events/: --kv-events-config); only
+        keys of the first layer group (BlockHash, not a group's (group, BlockHash) tuple)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -109,20 +121,26 @@ class BlockPool:
 
     # ---- prefix cache --------------------------------------------------------------------
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
-                    parent: KVCacheBlock | None = None) -> None:
+                    parent: KVCacheBlock | None = None, parent_key: BlockHash | None = None) -> None:
         """Publish a full block under its key; `parent` is the (published) block its KV was
-        computed after. A key already published keeps its first block, unless that block was
-        computed after another parent: then it is stale (its parent is gone) and is replaced."""
+        computed after, `parent_key` that block's key (for the event sink). A key already published
+        keeps its first block, unless that block was computed after another parent: then it is
+        stale (its parent is gone) and is replaced."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.parent = None if parent is None else (parent.block_id, parent.generation)
         existing = self._cached.get(block_hash)
+        sink = self.event_sink if isinstance(block_hash, BlockHash) else None
         if existing is not None:
             if existing.parent == block.parent:
                 return
             existing.block_hash = None  # unreachable for lookups now; keeps its KV, stops being cached
+            if sink is not None:
+                sink.removed(block_hash)
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if sink is not None:
+            sink.stored(block_hash, parent_key)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -131,6 +149,8 @@ class BlockPool:
             del self._cached[block.block_hash]
             if self.evict_listener is not None:
                 self.evict_listener(block.block_id, block.block_hash)
+            if self.event_sink is not None and isinstance(block.block_hash, BlockHash):
+                self.event_sink.removed(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
 
@@ -141,7 +161,13 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.event_sink is not None:
+            self.event_sink.cleared()
         return True
+
+    def cached_keys(self) -> list[BlockHash]:
+        """The first layer group's published keys (what the event sink has been told is stored)."""
+        return [key for key in self._cached if isinstance(key, BlockHash)]
 
     def check_integrity(self) -> None:
         """free + in use == total; the queue holds exactly the blocks with ref_cnt 0; every cached

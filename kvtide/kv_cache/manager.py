@@ -349,7 +349,9 @@ class KVCacheManager:
         for i in range(start, num_full):
             block = blocks[i]
             if isinstance(block, KVCacheBlock):
-                self.pool.cache_block(block, self._key(request.block_hashes[i]), self._lineage(request, i - 1) if i else None)
+                self.pool.cache_block(block, self._key(request.block_hashes[i]),
+                                      self._lineage(request, i - 1) if i else None,
+                                      request.block_hashes[i - 1] if i else None)
         self._num_cached_blocks[req_id] = num_full
 
     def _lineage(self, request: Request, index: int) -> KVCacheBlock | FreedBlock:
