@@ -109,14 +109,17 @@ class _AttentionCall:
     scaling: float
     sliding_window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None
+    """The module's own sink-logit parameter (gpt-oss's `s_aux`): the very tensor the checkpoint
+    loads into later, so kvtide's layer reads it as it is loaded."""
 
 
 _PROBED_CALLS: contextvars.ContextVar[dict[int, _AttentionCall] | None] = contextvars.ContextVar(
     "kvtide_transformers_probe", default=None)
 """Set while TransformersForCausalLM probes its layers' attention calls: layer_idx -> the call."""
 
-UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
-"""Arguments HF modules may pass that kvtide's attention backends do not implement."""
+SINK_KWARGS = ("s_aux", "sinks")
+"""The names HF modules pass attention sink logits under (one per query head)."""
 
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -126,10 +129,6 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     step's T new tokens -> ((1, T, H, D), no weights). The causal mask is the paged metadata's, so
     `attention_mask` is unused (transformers builds none for an implementation without a mask
     function)."""
-    for name, what in UNSUPPORTED_ATTENTION_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{type(module).__name__} uses {what} ({name}), which kvtide's attention backends do "
-                             f"not implement")
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: kvtide cannot tell which layer's KV cache "
@@ -140,9 +139,13 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
             raise ValueError(f"{type(module).__name__} (layer {layer_idx}) attends bidirectionally; kvtide runs "
                              f"causal language models")
+        sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
+        if sinks is not None and (not isinstance(sinks, nn.Parameter) or tuple(sinks.shape) != (num_heads,)):
+            raise ValueError(f"{type(module).__name__} (layer {layer_idx}) passes attention sinks kvtide cannot "
+                             f"read as one learned logit per query head")
         probed[layer_idx] = _AttentionCall(num_heads, key.shape[1], head_dim,
                                            scaling if scaling is not None else head_dim ** -0.5,
-                                           kwargs.get("sliding_window"), kwargs.get("softcap"))
+                                           kwargs.get("sliding_window"), kwargs.get("softcap"), sinks)
         return query.new_zeros(batch, num_tokens, num_heads, head_dim), None
     step = _CURRENT_STEP.get()
     if step is None:
@@ -205,8 +208,11 @@ class TransformersForCausalLM(nn.Module):
                 raise ValueError(f"{self.architecture}'s layer {i} attends within a window of {call.sliding_window} "
                                  f"tokens where its config declares {window}; kvtide sizes and frees the KV cache "
                                  f"by the config's")
-            layers.append(Attention(call.num_heads, call.head_dim, call.num_kv_heads, scale=call.scaling,
-                                    sliding_window=window, logits_soft_cap=call.softcap))
+            attn = Attention(call.num_heads, call.head_dim, call.num_kv_heads, scale=call.scaling,
+                             sliding_window=window, logits_soft_cap=call.softcap)
+            if call.sinks is not None:
+                attn.sink_logits = call.sinks  # HF's parameter itself, filled by load_weights
+            layers.append(attn)
         self.attn = nn.ModuleList(layers)
 
     def _probe_attention(self) -> dict[int, _AttentionCall]:

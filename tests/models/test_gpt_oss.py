@@ -195,6 +195,18 @@ def test_sinks_are_loaded_per_layer_and_fast_paths_say_why_not(model_dir):
     assert "experts" in model.cuda_graph_unsupported()
 
 
+def test_the_transformers_fallback_reads_the_sinks_and_matches_hf(model_dir):
+    """HF's own gpt-oss modules over kvtide's paged attention: the sinks they pass (`s_aux`) are the
+    kvtide layers' sink logits, chunked prefill and a batch of four included."""
+    llm = make_llm(model_dir, model_impl="transformers", max_num_batched_tokens=13)
+    model = llm.engine.core.executor.runner.model
+    assert type(model).__name__ == "TransformersForCausalLM"
+    saved = load_file(os.path.join(model_dir, "model.safetensors"))
+    for i, attn in enumerate(model.attention_layers()):
+        torch.testing.assert_close(attn.sink_logits.data, saved[f"model.layers.{i}.self_attn.sinks"])
+    assert_matches_hf(model_dir, PROMPTS, llm.generate(PROMPTS, GREEDY_LOGPROBS), check_logprobs=True)
+
+
 # ---- MXFP4 checkpoints ----------------------------------------------------------------------------
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
