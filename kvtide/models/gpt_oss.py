@@ -32,7 +32,7 @@ from torch import nn
 
 from kvtide.distributed import get_tp_group
 from kvtide.layers.linear import ReplicatedLinear, default_weight_loader, materialize
-from kvtide.layers.quantization.mxfp4 import SUFFIXES, dequantize_expert_weight
+from kvtide.layers.quantization.mxfp4 import BLOCK, SUFFIXES, dequantize_expert_weight, dequantize_mxfp4
 from kvtide.layers.rotary import RotaryEmbedding
 from kvtide.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -77,6 +77,31 @@ class GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
         self.alpha = float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA))
         self.limit = float(config.swiglu_limit)
+        self.mxfp4 = False
+        """The projections are held as the checkpoint's MXFP4 codes and scales (hold_mxfp4)."""
+
+    def hold_mxfp4(self) -> None:
+        """Hold the two projections as an MXFP4 checkpoint stores them, each (E, out, in) weight as
+        `<name>_blocks` (E, out, in / 32, 16) and `<name>_scales` (E, out, in / 32) uint8, in place
+        of the float parameters; the checkpoint's tensors then load unchanged."""
+        for name in ("gate_up_proj", "down_proj"):
+            experts, inner, outer = getattr(self, name).shape
+            if inner % BLOCK:
+                raise ValueError(f"MXFP4 experts need {name}'s input size ({inner}) to be a multiple of {BLOCK}")
+            del self._parameters[name]
+            self.register_parameter(name + "_blocks", nn.Parameter(
+                torch.empty(experts, outer, inner // BLOCK, BLOCK // 2, dtype=torch.uint8), requires_grad=False))
+            self.register_parameter(name + "_scales", nn.Parameter(
+                torch.empty(experts, outer, inner // BLOCK, dtype=torch.uint8), requires_grad=False))
+        self.mxfp4 = True
+
+    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (H, 2I) gate_up and (I, H) down weights, decoded here when held as MXFP4."""
+        if not self.mxfp4:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
+        down = dequantize_mxfp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
+        return gate_up.T, down.T
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(N, 2I) interleaved gate/up -> (N, I): the clamped SwiGLU."""
@@ -89,8 +114,9 @@ class GptOssExperts(nn.Module):
         out = torch.zeros_like(x)
         for expert in expert_ids.unique().tolist():
             tokens, slots = torch.nonzero(expert_ids == expert, as_tuple=True)
-            hidden = self.activation(x[tokens] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert])
-            y = hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
+            gate_up, down = self.expert_weights(expert, x.dtype)
+            hidden = self.activation(x[tokens] @ gate_up + self.gate_up_proj_bias[expert])
+            y = hidden @ down + self.down_proj_bias[expert]
             out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
         return out
 
@@ -131,7 +157,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return NOT_FUSED
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(dequantized_experts(weights))
+        held = any(getattr(m, "mxfp4", False) for m in self.modules() if isinstance(m, GptOssExperts))
+        return super().load_weights(weights if held else dequantized_experts(weights))
 
 
 def dequantized_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

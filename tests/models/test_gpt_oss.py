@@ -254,5 +254,15 @@ def test_an_mxfp4_checkpoint_matches_hf_on_its_decoded_weights(mxfp4_dirs, model
     assert any(hf_greedy(decoded_dir, p, MAX_TOKENS).token_ids != hf_greedy(model_dir, p, MAX_TOKENS).token_ids
                for p in PROMPTS)
     llm = make_llm(mxfp4_dir, max_num_batched_tokens=48)
-    assert llm.engine.core.executor.runner.model.quant_config.name == "mxfp4"
+    model = llm.engine.core.executor.runner.model
+    assert model.quant_config.name == "mxfp4"
     assert_matches_hf(decoded_dir, PROMPTS, llm.generate(PROMPTS, GREEDY_LOGPROBS), check_logprobs=True)
+    # The experts are held as the checkpoint stores them: its uint8 codes and scales, no float copy.
+    stored = load_file(os.path.join(mxfp4_dir, "model.safetensors"))
+    for i, layer in enumerate(model.layers):
+        experts = layer.mlp.experts
+        names = {name for name, _ in experts.named_parameters()}
+        assert not names & {"gate_up_proj", "down_proj"}
+        for name in (f"{w}_{part}" for w in ("gate_up_proj", "down_proj") for part in ("blocks", "scales")):
+            held = getattr(experts, name)
+            assert held.dtype == torch.uint8 and torch.equal(held, stored[f"model.layers.{i}.mlp.experts.{name}"])

@@ -1,5 +1,6 @@
 """MXFP4 checkpoints ("quant_method": "mxfp4", as gpt-oss is released): its MoE experts' weights in
-the OCP microscaling FP4 format, dequantized to the model's float dtype at load.
+the OCP microscaling FP4 format, kept as stored (4.25 bits a weight) and decoded one expert
+projection at a time as a step routes tokens to it.
 
 One expert weight W (E, rows, cols) is stored as two tensors:
   <name>_blocks  uint8 (E, rows, cols / 32, 16)  32 FP4 (e2m1) codes a block, two a byte, the
@@ -11,8 +12,11 @@ gate_up_proj_blocks is (E, 2I, H / 32, 16) for the float (E, H, 2I), down_proj_b
 16) for (E, I, H). Everything else in such a checkpoint (attention, router, embeddings, biases) is
 float and loads as is.
 
-A first step: the experts are held and computed in float after loading (4x the memory of the
-packed codes for bfloat16, 8x for float32); no MXFP4 matmul kernel yet.
+The model's experts module (models/gpt_oss.GptOssExperts.hold_mxfp4) swaps its float parameters
+for these uint8 ones when the checkpoint is MXFP4, so the whole model is never in float: a step
+decodes each routed expert's two projections (a transient float copy of one expert) and multiplies.
+That decode is torch's (a 256-entry table of code pairs, then the block scales), not a fused
+kernel: correct and small, slower per routed expert than float weights.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvtide.layers.quantization.base import QuantizationConfig
@@ -34,17 +39,30 @@ SCALE_BIAS = 127
 SUFFIXES = ("_blocks", "_scales")
 
 
+_PAIR_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _pair_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 2): a byte's two e2m1 values, low nibble first."""
+    key = (device, dtype)
+    if key not in _PAIR_TABLES:
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        codes = torch.arange(256)
+        _PAIR_TABLES[key] = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1).to(device, dtype)
+    return _PAIR_TABLES[key]
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """blocks (..., G, 16) uint8 and scales (..., G) uint8 -> (..., G * 32) in `dtype`."""
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: "
                          f"blocks must be (..., G, {BLOCK // 2}) for scales (..., G)")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = blocks.to(torch.uint8)
-    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1)  # (..., G, 16, 2)
-    values = values.flatten(-2)  # (..., G, 32): low nibble first
-    exponents = scales.to(torch.int32) - SCALE_BIAS
-    return torch.ldexp(values, exponents[..., None].to(torch.float32)).flatten(-2).to(dtype)
+    work = torch.float32 if dtype not in (torch.float32, torch.float64) else dtype
+    values = F.embedding(blocks.to(torch.int32), _pair_table(blocks.device, work))  # (..., G, 16, 2)
+    # 2 ** (s - 127) is exact in float32 for every s but 0 and 255 (2 ** -127 is subnormal there,
+    # and still exact; 2 ** 128 overflows, as the format's NaN scale should).
+    factors = torch.exp2(scales.to(work) - SCALE_BIAS)
+    return (values.flatten(-2) * factors[..., None]).flatten(-2).to(dtype)
 
 
 def dequantize_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,8 +71,8 @@ def dequantize_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: 
 
 
 class Mxfp4Config(QuantizationConfig):
-    """MXFP4 experts, dequantized at load by the model (models/gpt_oss.py pairs each `_blocks`
-    tensor with its `_scales`); every layer here stays float."""
+    """MXFP4 experts, held as stored by the modules that can (`hold_mxfp4`); every other layer
+    stays float."""
 
     name = "mxfp4"
     ARCHITECTURES = ("GptOssForCausalLM",)
@@ -62,6 +80,12 @@ class Mxfp4Config(QuantizationConfig):
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> Mxfp4Config:
         return cls()
+
+    def bind_model(self, model: nn.Module) -> None:
+        super().bind_model(model)
+        for module in model.modules():
+            if hasattr(module, "hold_mxfp4"):
+                module.hold_mxfp4()
 
     def method_for(self, prefix: str, layer: nn.Module) -> None:
         return None
@@ -73,4 +97,4 @@ class Mxfp4Config(QuantizationConfig):
                              f"this one is {architectures}")
 
     def describe(self) -> str:
-        return "mxfp4 (experts dequantized at load)"
+        return "mxfp4 (experts held as stored, decoded per routed expert)"
