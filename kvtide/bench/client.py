@@ -1,4 +1,5 @@
-"""One streamed OpenAI /v1/completions request, timed chunk by chunk; and /metrics scraping.
+"""One streamed OpenAI request, timed chunk by chunk (/v1/completions, /v1/chat/completions or
+/v1/responses, as `kvtide bench serve --backend` picks); and /metrics scraping.
 
 A request succeeds only if the server answered 200, streamed at least one token (a chunk with text, or
 an empty one before the end), gave a finish_reason and ended the stream with `data: [DONE]`. Everything else (HTTP errors, error objects inside the stream, a connection
@@ -29,6 +30,8 @@ class PayloadOptions:
     """Also send min_tokens = max_tokens, for servers that accept but ignore ignore_eos
     (llama-cpp-python's): EOS is then masked rather than ignored, so greedy tokens may differ."""
     temperature: float = 0.0
+    api: str = "completions"
+    """completions, chat (/v1/chat/completions) or responses (/v1/responses): the body and stream shape."""
 
     def variants(self) -> list[PayloadOptions]:
         """This, then every subset of its extensions, largest first, for the warm-up probe."""
@@ -36,23 +39,39 @@ class PayloadOptions:
         out = []
         for keep in range(len(wanted), -1, -1):
             for kept in itertools.combinations(wanted, keep):
-                out.append(PayloadOptions(**{name: name in kept for name in wanted}, temperature=self.temperature))
+                out.append(PayloadOptions(**{name: name in kept for name in wanted}, temperature=self.temperature,
+                                          api=self.api))
         return out
+
+
+BACKENDS = {"openai": ("completions", "/v1/completions"), "openai-chat": ("chat", "/v1/chat/completions"),
+            "openai-responses": ("responses", "/v1/responses")}
+"""--backend (vLLM's names) -> (api, default endpoint)."""
 
 
 def build_payload(model: str, prompt: str | list[int], max_tokens: int, options: PayloadOptions,
                   structured_outputs: dict | None = None) -> dict:
     """A streamed completion request. A constrained one (structured_outputs, vLLM's object) sends
     max_tokens only: ignore_eos or min_tokens would hold it past the end its grammar reaches."""
-    payload: dict = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                     "temperature": options.temperature, "stream": True}
+    payload: dict = {"model": model, "max_tokens": max_tokens, "temperature": options.temperature, "stream": True}
+    if options.api == "completions":
+        payload["prompt"] = prompt
+    else:
+        if not isinstance(prompt, str):
+            raise ValueError(f"--backend openai-{options.api} sends text: this dataset's prompts are token ids")
+        if options.api == "chat":
+            payload["messages"] = [{"role": "user", "content": prompt}]
+            payload["max_completion_tokens"] = payload.pop("max_tokens")
+        else:
+            payload["input"] = prompt
+            payload["max_output_tokens"] = payload.pop("max_tokens")
     if structured_outputs is not None:
         payload["structured_outputs"] = structured_outputs
     elif options.ignore_eos:
         payload["ignore_eos"] = True
     if options.min_tokens and structured_outputs is None:
         payload["min_tokens"] = max_tokens
-    if options.include_usage:
+    if options.include_usage and options.api != "responses":  # a response's usage comes with its end
         payload["stream_options"] = {"include_usage": True}
     return payload
 
@@ -81,6 +100,24 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
                     saw_done = True
                     break
                 chunk = json.loads(data)
+                if "input" in payload:  # the Responses API: typed events, no [DONE]
+                    kind = chunk.get("type", "")
+                    if kind in ("error", "response.failed"):
+                        record.error = f"stream error: {str(chunk)[:300]}"
+                        return
+                    if kind.endswith(("output_text.delta", "reasoning_text.delta", "arguments.delta")):
+                        record.chunk_times.append(now)
+                        text_parts.append(chunk.get("delta") or "")
+                    elif kind in ("response.completed", "response.incomplete"):
+                        response_body = chunk.get("response") or {}
+                        usage = response_body.get("usage") or {}
+                        usage_completion = usage.get("output_tokens", usage_completion)
+                        if usage.get("input_tokens"):
+                            record.prompt_len = int(usage["input_tokens"])
+                        record.finish_reason = "stop" if kind == "response.completed" else "length"
+                        saw_done = True
+                        break
+                    continue
                 if "error" in chunk:
                     record.error = f"stream error: {str(chunk['error'])[:300]}"
                     return
@@ -95,7 +132,8 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
                 for choice in choices:
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
-                    text_parts.append(choice.get("text") or "")
+                    delta = choice.get("delta") or {}
+                    text_parts.append(choice.get("text") or delta.get("content") or "")
     except (httpx.HTTPError, OSError) as e:
         record.error = f"dropped: {type(e).__name__}: {e}"[:300]
         return
@@ -119,9 +157,15 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict, re
 def _carries_token(choices: list[dict]) -> bool:
     """A chunk marks a token when it carries text, or when it is an empty chunk before the end (the
     server produced a token whose text is held back, e.g. half of a UTF-8 character). An empty chunk
-    that only says finish_reason is the end, not a token."""
+    that only says finish_reason is the end, not a token; so is a chat chunk that only opens the
+    message (its role)."""
     for choice in choices:
-        if choice.get("text") or choice.get("finish_reason") is None:
+        delta = choice.get("delta")
+        if delta is not None:
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls") or \
+                    (choice.get("finish_reason") is None and "role" not in delta):
+                return True
+        elif choice.get("text") or choice.get("finish_reason") is None:
             return True
     return False
 

@@ -62,7 +62,10 @@ from kvtide.bench.structured_figures import structured_output_summary
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--backend", choices=sorted(oai.BACKENDS), default="openai",
+                        help="openai: /v1/completions; openai-chat: /v1/chat/completions (the prompt as one user "
+                             "message); openai-responses: /v1/responses (the prompt as its input)")
+    parser.add_argument("--endpoint", default=None, help="path of the API (default: the backend's)")
     parser.add_argument("--model", default=None, help="model name for requests (default: the first of /v1/models)")
     add_dataset_args(parser)
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -113,7 +116,7 @@ class ServeRun:
         self.http = http
         self.model = model
         self.options = options
-        self.url = args.base_url.rstrip("/") + args.endpoint
+        self.url = args.base_url.rstrip("/") + endpoint_of(args)
         self.semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         self.records: list[RequestRecord] = []
         self.running_samples: list[tuple[float, float]] = []
@@ -164,6 +167,12 @@ class ServeRun:
                 pass
 
 
+def endpoint_of(args) -> str:
+    """--endpoint, else the --backend's API path."""
+    endpoint = getattr(args, "endpoint", None)
+    return endpoint if endpoint else oai.BACKENDS[getattr(args, "backend", "openai")][1]
+
+
 WARM_UP_CONSTRAINT = {"choice": ["yes", "no"]}
 """What the warm-up sends to check a server takes structured_outputs: a grammar none of the
 datasets' requests share, so their compilations all fall in the measured part."""
@@ -173,9 +182,10 @@ async def warm_up(args, http: httpx.AsyncClient, model: str, tokenizer, maker_te
                   constrained: bool = False) -> oai.PayloadOptions:
     """Send --num-warmups (at least one) requests, and one constrained request when `constrained`;
     return the payload options the server accepted."""
-    url = args.base_url.rstrip("/") + args.endpoint
+    url = args.base_url.rstrip("/") + endpoint_of(args)
     wanted = oai.PayloadOptions(ignore_eos=args.ignore_eos, temperature=args.temperature,
-                                min_tokens=getattr(args, "send_min_tokens", False))
+                                min_tokens=getattr(args, "send_min_tokens", False),
+                                api=oai.BACKENDS[getattr(args, "backend", "openai")][0])
     last_error = ""
     for options in wanted.variants():
         record = RequestRecord(prompt_len=0, expected_output_len=8)
@@ -249,7 +259,7 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
         result["structured_output"] = structured_output_summary(run.records, before, after)
     result.update({
         "date": datetime.now().isoformat(timespec="seconds"), "base_url": base_url, "model": model,
-        "endpoint": args.endpoint, "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
+        "endpoint": endpoint_of(args), "backend": getattr(args, "backend", "openai"), "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "ignore_eos": options.ignore_eos, "usage_reported": options.include_usage,
