@@ -72,6 +72,8 @@ class ModelConfig:
     model_impl: str = "kvtide"
     """The implementation that runs the model, as --model-impl resolved it: "kvtide" (kvtide's own
     module) or "transformers" (Hugging Face's modeling code with kvtide's paged attention)."""
+    enable_sleep_mode: bool = False
+    """Whether sleep() / wake_up() and weight updates are allowed (worker/sleep_mode.py)."""
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ class EngineArgs:
     in host memory, redis shares computed blocks between instances ("redis_url", "redis_ttl_s"), multi
     stacks both, p2p hands a prefill instance's prompt KV to a decode instance ("kv_ip", "kv_port",
     "kv_secret" or $KVTIDE_KV_SECRET). Fields: kvtide/disagg/config.py."""
+    enable_sleep_mode: bool = False
+    """Allow sleep(level) / wake_up() (level 1 frees the KV pool, level 2 the weights too) and weight
+    updates without a restart (LLM.update_weights, update_weights_from_disk): RL frameworks' hooks.
+    Float, one-rank CPU engines for now."""
     kv_events_config: str | dict | None = None
     """Publish the prefix cache's stored and removed blocks as vLLM's KV events, as JSON:
     {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
@@ -309,7 +313,8 @@ class EngineArgs:
                                      max_model_len=max_model_len, seed=self.seed,
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
                                      hf_config=hf_config, quant_config=quant_config,
-                                     moe_capacity_factor=self.moe_capacity_factor, model_impl=model_impl),
+                                     moe_capacity_factor=self.moe_capacity_factor, model_impl=model_impl,
+                                     enable_sleep_mode=self.enable_sleep_mode),
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_memory,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,

@@ -112,6 +112,36 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    # ---- sleep mode and weight updates (LLM(..., enable_sleep_mode=True)) -------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 the weights too (reloaded from the checkpoint on
+        wake_up). Between requests only; the prefix cache is forgotten."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.core.sleep_level)
+
+    def update_weights(self, weights) -> int:
+        """New values for the model's weights, as (checkpoint name, tensor) pairs of the same shapes
+        (an RL trainer's state dict); checked whole before any changes. Returns the weight version."""
+        return self.engine.update_weights(weights=weights)
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Every weight from another checkpoint directory of the same architecture and shapes."""
+        return self.engine.update_weights(model_dir=model_path)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """`method` on every rank's model runner (vLLM's RL hook): the sleep-mode and weight-update
+        calls by name ("update_weights" with a list of (name, tensor) pairs), else a runner method."""
+        engine_calls = {"sleep": self.sleep, "wake_up": self.wake_up, "update_weights": self.update_weights,
+                        "update_weights_from_disk": self.update_weights_from_disk}
+        if method in engine_calls:  # through the engine: the prefix cache is reset with them
+            return [engine_calls[method](*args, **(kwargs or {}))]
+        return self.engine.core.executor.collective_rpc(method, args, kwargs)
+
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's entry point: per prompt, the beam_width best beams, best first. The same as

@@ -85,6 +85,8 @@ class EngineCore:
                                               initializer=getattr(executor, "init_worker_thread", None))
         self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         """The step running on the worker whose outputs are not processed yet."""
+        self.sleep_level = 0
+        """0 awake; 1 or 2 while asleep (worker/sleep_mode.py)."""
         self.kv_events: KVEventPublisher | None = None
         self._kv_event_recorder: KVEventRecorder | None = None
         if config.kv_events_config is not None:
@@ -94,6 +96,8 @@ class EngineCore:
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
+        if self.sleep_level:
+            raise ValueError(f"the engine is asleep (level {self.sleep_level}): wake_up() first")
         if not self.beam_search.add_request(core_request):
             self.scheduler.add_request(Request(core_request))
 
@@ -237,6 +241,41 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.kv_cache_manager.check_integrity()
+
+    # ---- sleep mode and weight updates (worker/sleep_mode.py) -------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1) and the weights (level 2); the prefix cache is forgotten."""
+        self._check_quiet("sleep")
+        if self.sleep_level:
+            raise ValueError(f"the engine is already asleep (level {self.sleep_level})")
+        self.executor.collective_rpc("sleep", (level,))
+        self.reset_prefix_cache()
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        if not self.sleep_level:
+            raise ValueError("the engine is awake")
+        self.executor.collective_rpc("wake_up")
+        self.sleep_level = 0
+
+    def update_weights(self, weights=None, model_dir: str | None = None) -> int:
+        """New weights from (name, tensor) pairs or a checkpoint directory; the prefix cache is
+        reset, so no KV computed with the old weights serves a request. Returns the weight version."""
+        self._check_quiet("updating weights")
+        if (weights is None) == (model_dir is None):
+            raise ValueError("give the new weights as (name, tensor) pairs or as a checkpoint directory")
+        if model_dir is not None:
+            version = self.executor.collective_rpc("update_weights_from_disk", (model_dir,))[0]
+        else:
+            version = self.executor.collective_rpc("update_weights", (weights,))[0]
+        self.reset_prefix_cache()
+        return version
+
+    def _check_quiet(self, what: str) -> None:
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError(f"{what} needs enable_sleep_mode=True (--enable-sleep-mode) when the engine starts")
+        if self.has_unfinished_requests():
+            raise ValueError(f"{what}: requests are in flight; let them finish or abort them first")
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -62,6 +62,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.core.wake_up()
+
+    def update_weights(self, weights=None, model_dir: str | None = None) -> int:
+        return self.core.update_weights(weights, model_dir)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
 

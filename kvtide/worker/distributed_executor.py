@@ -137,6 +137,10 @@ class DistributedExecutor:
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        raise ValueError(f"{method}: sleep mode and weight updates run on one-rank replicas for now (tensor and "
+                         f"pipeline parallelism would need every rank to take its shard)")
+
     def profile_peak_activation_bytes(self, memory_stats=None) -> int:
         from kvtide.worker.memory_profile import profile_peak_activation_bytes
 

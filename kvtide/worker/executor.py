@@ -75,5 +75,15 @@ class UniprocExecutor:
             return bool(flags[0]), bool(flags[1])
         return agree
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """`method` on every rank's runner (here the one), each rank's result in a list: the sleep
+        mode and weight-update calls (worker/sleep_mode.py), else the runner's own method."""
+        from kvtide.worker.sleep_mode import RUNNER_CALLS
+
+        call = RUNNER_CALLS.get(method)
+        if call is None:
+            return [getattr(self.runner, method)(*args, **(kwargs or {}))]
+        return [call(self.runner, *args, **(kwargs or {}))]
+
     def shutdown(self) -> None:
         pass

@@ -53,6 +53,7 @@ def _prebuild_cpu_kernels(attention: bool, quantized: bool) -> None:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
+        self.model_dir = model_dir
         mc = config.model_config
         self.device = torch.device(config.device_config.device)
         self.block_size = config.cache_config.block_size
@@ -171,6 +172,7 @@ class ModelRunner:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
         finite values) and bind it to the layer."""
         layers = self._cached_attention_layers()
+        self.num_kv_blocks = num_blocks
         if self.kv_groups:
             self.kv_caches = self._bind_grouped_kv_caches(layers, num_blocks)
         else:
