@@ -391,6 +391,30 @@ class AsyncLLM:
     async def check_integrity(self) -> None:
         await self.client.call_utility("check_integrity", timeout_s=30.0)
 
+    # ---- sleep mode and weight updates (worker/sleep_mode.py): ValueError when refused ---------
+    async def sleep(self, level: int = 1) -> int:
+        return int(await self._utility_or_value_error("sleep", level))
+
+    async def wake_up(self) -> int:
+        return int(await self._utility_or_value_error("wake_up"))
+
+    async def sleep_level(self) -> int:
+        return int(await self.client.call_utility("sleep_level", timeout_s=30.0))
+
+    async def update_weights_from_disk(self, model_path: str) -> int:
+        return int(await self._utility_or_value_error("update_weights_from_disk", model_path))
+
+    async def _utility_or_value_error(self, method: str, *args) -> object:
+        """Weights load in seconds to minutes: no timeout; the engine's refusal comes back as the
+        ValueError it raised."""
+        try:
+            return await self.client.call_utility(method, *args, timeout_s=None)
+        except RuntimeError as e:
+            message = str(e)
+            if "ValueError: " in message:
+                raise ValueError(message.split("ValueError: ", 1)[1]) from None
+            raise
+
     async def check_health(self, timeout_s: float = 5.0) -> None:
         """Return if the engine core answers within timeout_s; raise EngineDeadError otherwise."""
         try:

@@ -193,6 +193,16 @@ class EngineCoreProc:
             return self.core.num_steps
         if method == "comm_stats":  # this process's collectives (a replica sharing experts: their exchanges)
             return self.core.executor.local_comm_stats()
+        if method == "sleep":
+            self.core.sleep(*args)
+            return self.core.sleep_level
+        if method == "wake_up":
+            self.core.wake_up()
+            return self.core.sleep_level
+        if method == "sleep_level":
+            return self.core.sleep_level
+        if method == "update_weights_from_disk":
+            return self.core.update_weights(model_dir=args[0])
         raise ValueError(f"unknown utility method {method!r}")
 
 

@@ -297,6 +297,12 @@ class DPEngineCoreClient:
                 if reset:
                     self.balancer.forget_prefixes(rank)
             return all(results)
+        if method in ("sleep", "update_weights_from_disk"):  # the replicas' prefix caches are reset
+            for rank in range(len(results)):
+                self.balancer.forget_prefixes(rank)
+            return max(results)
+        if method in ("wake_up", "sleep_level"):
+            return max(results)
         if method == "num_steps":
             return sum(results)
         if method in ("ping", "check_integrity"):

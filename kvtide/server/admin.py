@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 INTERNAL_PREFIX = "/internal/"
 """Routes for tests and debugging (engine stats, KV integrity checks)."""
-ADMIN_ROUTES = ("/reset_prefix_cache",)
-"""Routes of --enable-admin-api."""
+ADMIN_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping", "/update_weights_from_disk")
+"""Routes of --enable-admin-api, and of --enable-sleep-mode (server/sleep_mode.py)."""
 
 
 def is_admin_path(path: str) -> bool:

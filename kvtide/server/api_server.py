@@ -108,10 +108,16 @@ def build_app(state: ServerState) -> Any:
     if state.settings.enable_ui:
         app.include_router(ui_router)
     inner: Any = app
+    if state.settings.enable_sleep_mode:
+        from kvtide.server.sleep_mode import SleepGate
+        from kvtide.server.sleep_mode import router as sleep_router
+
+        app.include_router(sleep_router)
+        inner = SleepGate(app, state)
     if state.settings.api_keys is not None:
         # Inside the guard: draining, header and body limits come first; the guard checks the key
         # only on the paths the quotas skip.
-        inner = QuotaMiddleware(app, state.settings.api_keys, registry=state.metrics.registry,
+        inner = QuotaMiddleware(inner, state.settings.api_keys, registry=state.metrics.registry,
                                 exempt_paths=QUOTA_EXEMPT_PATHS)
     # The admin key, when set, is checked before the guard: it alone opens the admin paths.
     return AdminGate(ServerGuardMiddleware(inner, state), state.settings)

@@ -172,6 +172,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                   api_keys=api_keys, chat_template=chat_template, request_limits=request_limits,
                                   max_request_body=max_body, shutdown_timeout=args.shutdown_timeout,
                                   engine_timeout=args.engine_timeout, enable_admin_api=args.enable_admin_api,
+                                  enable_sleep_mode=args.enable_sleep_mode,
                                   admin_api_key=admin_api_key,
                                   enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
@@ -180,6 +181,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if spawned is not None:
             spawned.kill()
         raise
+    if settings.enable_sleep_mode and settings.api_key is None and settings.admin_api_key is None:
+        logging.getLogger("kvtide.server").warning(
+            "--enable-sleep-mode without --api-key: anyone who reaches this port can put the engine to sleep "
+            "or load other weights")
     if settings.enable_admin_api and settings.api_key is None and settings.admin_api_key is None:
         logging.getLogger("kvtide.server").warning(
             "--enable-admin-api without --api-key: anyone who reaches this port can reset the prefix cache")

@@ -39,6 +39,8 @@ class ServerSettings:
     engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S
     """Watchdog: an engine core silent this many seconds is declared dead (0: never)."""
     enable_admin_api: bool = False
+    enable_sleep_mode: bool = False
+    """Serve the sleep-mode routes (server/sleep_mode.py); the engine was started to allow them."""
     """Serve the admin routes (POST /reset_prefix_cache); off, they are 404. --api-key still applies."""
     admin_api_key: str | None = None
     """--admin-api-key: the only key of /internal/* (404 without one) and, when set, of the admin routes."""
@@ -68,6 +70,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     """SIGTERM received: new requests get 503, those in flight finish."""
+    sleep_level: int = 0
+    """The engine's sleep level as the sleep routes last saw it (server/sleep_mode.py); 0 awake."""
     num_inflight: int = 0
     """HTTP requests and WebSockets being served (not counting /health and /metrics)."""
 
