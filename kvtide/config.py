@@ -249,6 +249,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: Any = None
     """kvtide.disagg.config.KVTransferConfig, or None: the KV cache lives on the device only."""
+    lora_config: Any = None
+    """kvtide.lora.config.LoRAConfig, or None: no LoRA adapters."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

@@ -65,6 +65,10 @@ class EngineCore:
                                    SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
                                    self.structured_output,
                                    kv_connector.scheduler if kv_connector is not None else None)
+        if config.lora_config is not None:
+            self.scheduler.max_loras = config.lora_config.max_loras
+        self._loras_to_remove: set[int] = set()
+        """LoRA adapters unloaded while requests still ran with them: removed once those finish."""
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
         self._expert_load_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
@@ -105,6 +109,23 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._batch_queue)
+
+    # ---- LoRA adapters (the model's side: lora/model_state.py) --------------------------------
+    def add_lora(self, lora_request) -> float:
+        """Load and check an adapter (ValueError: a bad one, nothing changed); the load's seconds."""
+        self._loras_to_remove.discard(lora_request.lora_int_id)
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter; requests running with it finish first (new ones are the caller's to refuse)."""
+        self._loras_to_remove.add(lora_int_id)
+        self._remove_unused_loras()
+
+    def _remove_unused_loras(self) -> None:
+        in_use = {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        for lora_int_id in self._loras_to_remove - in_use:
+            self.executor.remove_lora(lora_int_id)
+            self._loras_to_remove.discard(lora_int_id)
 
     def step(self) -> list[EngineCoreOutput]:
         if self._batch_queue is not None:
@@ -176,6 +197,8 @@ class EngineCore:
         self.num_steps += 1
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._loras_to_remove:
+            self._remove_unused_loras()
         if self.scheduler.spec_policy is not None:
             self._log_spec_decoding()
         if self.scheduler.expert_load is not None:

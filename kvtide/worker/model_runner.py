@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+import numpy as np
 import torch
 
 from kvtide.attention.backend import AttentionMetadata
@@ -107,6 +108,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
             use_cpu_kernels(self.model, config.device_config.cpu_weight_prepack)
+        # ---- LoRA hook: slot tensors and a forward hook on every adaptable linear (lora/)
+        self.lora = None
+        if config.lora_config is not None:
+            from kvtide.lora.model_state import LoRAModelState
+
+            self.lora = LoRAModelState(self.model, config.lora_config, mc.dtype, self.device)
+            # Both run the decoder layers without calling the linears (so without their hooks).
+            self.model.fused_decode = None
+            self.model.cuda_graph_blocker = "LoRA adapters: each step's rows choose their adapters"
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None
         if config.speculative_config is not None:
@@ -257,7 +267,13 @@ class ModelRunner:
             drafts = self.spec.agree(so, drafts)
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
-        hidden = self._forward(inputs)
+        if self.lora is not None:
+            self.lora.begin_step(self.input_batch.step_lora_requests(inputs), np.diff(inputs.metadata.query_start_loc_cpu))
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if self._kv_to_collapse:  # the first forward pass is done: start-up never waits for this
             collapse_in_background(self._kv_to_collapse)
             self._kv_to_collapse = []
