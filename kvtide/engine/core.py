@@ -32,6 +32,7 @@ from kvtide.engine.beam_search import BeamSearch
 from kvtide.engine.expert_load import summarize as summarize_expert_load
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
+from kvtide.lora.stats import lora_stats
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 SPEC_LOG_INTERVAL_S = 10.0
 EXPERT_LOAD_LOG_INTERVAL_S = 10.0
+LORA_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -69,6 +71,9 @@ class EngineCore:
             self.scheduler.max_loras = config.lora_config.max_loras
         self._loras_to_remove: set[int] = set()
         """LoRA adapters unloaded while requests still ran with them: removed once those finish."""
+        self._lora_names: dict[int, str] = {}
+        """lora_int_id -> name of the adapters loaded (for stats and the log)."""
+        self._lora_logged = time.monotonic()
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
         self._expert_load_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
@@ -114,7 +119,9 @@ class EngineCore:
     def add_lora(self, lora_request) -> float:
         """Load and check an adapter (ValueError: a bad one, nothing changed); the load's seconds."""
         self._loras_to_remove.discard(lora_request.lora_int_id)
-        return self.executor.add_lora(lora_request)
+        seconds = self.executor.add_lora(lora_request)
+        self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+        return seconds
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Unload an adapter; requests running with it finish first (new ones are the caller's to refuse)."""
@@ -126,6 +133,7 @@ class EngineCore:
         for lora_int_id in self._loras_to_remove - in_use:
             self.executor.remove_lora(lora_int_id)
             self._loras_to_remove.discard(lora_int_id)
+            self._lora_names.pop(lora_int_id, None)
 
     def step(self) -> list[EngineCoreOutput]:
         if self._batch_queue is not None:
@@ -199,11 +207,23 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._loras_to_remove:
             self._remove_unused_loras()
+        if self.config.lora_config is not None:
+            self._log_loras()
         if self.scheduler.spec_policy is not None:
             self._log_spec_decoding()
         if self.scheduler.expert_load is not None:
             self._log_expert_load()
         return outputs + self.beam_search.advance(stalled=scheduler_output.is_empty)
+
+    def _log_loras(self) -> None:
+        """Every LORA_LOG_INTERVAL_S: the resident adapters and the requests on each."""
+        now = time.monotonic()
+        if now - self._lora_logged < LORA_LOG_INTERVAL_S:
+            return
+        self._lora_logged = now
+        stats = self._lora_stats()
+        logger.info("LoRA adapters: resident %s; running %s; waiting %s", ", ".join(stats["resident"]) or "none",
+                    stats["running"] or "none", stats["waiting"] or "none")
 
     def _log_spec_decoding(self) -> None:
         """Every SPEC_LOG_INTERVAL_S: the acceptance figures of the interval."""
@@ -237,7 +257,14 @@ class EngineCore:
                         figures["assignments"], figures["dropped"])
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.config.lora_config is not None:
+            stats.lora = self._lora_stats()
+        return stats
+
+    def _lora_stats(self) -> dict:
+        return lora_stats(self.scheduler.running, self.scheduler.waiting, self.config.lora_config.max_loras,
+                          self._lora_names, self.executor.lora_stats())
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -136,3 +136,24 @@ def test_bad_updates_are_refused(servers, tmp_path):
     assert refused.status_code == 404 and "allow-runtime-lora-updating" in refused.json()["error"]["message"]
     assert post(fixed, "/v1/unload_lora_adapter", {"lora_name": "attn"}).status_code == 404
     assert complete(fixed, "attn", PROMPTS[0]) == reference(case, "attn-r8", PROMPTS[0])
+
+
+def test_metrics_name_running_adapters_and_load_times(servers):
+    case, handle, _ = servers
+    seen = None
+    with httpx.stream("POST", handle.url("/v1/completions"), timeout=60.0, json={
+            "model": "attn", "prompt": "Hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as response:
+        lines = response.iter_lines()
+        next(lines)  # the request is running
+        for _ in range(50):  # scrape until a report lands while it runs
+            metrics = httpx.get(handle.url("/metrics"), timeout=30.0).text
+            info = [line for line in metrics.splitlines() if line.startswith("kvtide:lora_requests_info{")]
+            assert len(info) == 1 and 'max_lora="2"' in info[0]
+            if 'running_lora_adapters="attn"' in info[0]:
+                seen = metrics
+                break
+    assert seen is not None, "no report named the running adapter"
+    assert f'kvtide:lora_adapter_requests{{lora_name="attn",model_name="{MODEL_NAME}",state="running"}} 1.0' in seen
+    loads = next(line for line in seen.splitlines() if line.startswith("kvtide:lora_adapter_load_seconds_count"))
+    assert float(loads.rsplit(" ", 1)[1]) >= 1
