@@ -139,17 +139,27 @@ class LoRAModelState:
         return slot
 
     # ---- the step ----------------------------------------------------------------------------
-    def begin_step(self, requests: list[LoRARequest | None], lens: np.ndarray) -> None:
-        """The step's rows: `requests` per scheduled request in batch order, `lens` its tokens."""
+    def begin_step(self, requests: list[LoRARequest | None], lens: np.ndarray) -> dict[int, str]:
+        """The step's rows: `requests` per scheduled request in batch order, `lens` its tokens.
+        Returns {index into `requests`: error} for the rows whose adapter could not be loaded again
+        (its files changed or went away since it was checked): they run as the base model here and
+        are the caller's to fail."""
         needed = {r.lora_int_id for r in requests if r is not None}
         if not needed:
             self._step = None
-            return
+            return {}
         by_id = {r.lora_int_id: r for r in requests if r is not None}
-        slot_of = {lora_id: self._slot_for(request, needed) for lora_id, request in by_id.items()}
-        req_slots = np.fromiter((slot_of[r.lora_int_id] if r is not None else -1 for r in requests),
+        slot_of: dict[int, int] = {}
+        errors: dict[int, str] = {}
+        for lora_id, request in by_id.items():
+            try:
+                slot_of[lora_id] = self._slot_for(request, needed)
+            except ValueError as e:
+                errors[lora_id] = f"LoRA adapter {request.lora_name!r} could not be loaded: {e}"
+        req_slots = np.fromiter((slot_of.get(r.lora_int_id, -1) if r is not None else -1 for r in requests),
                                 dtype=np.int64, count=len(requests))
         self._step = group_tokens_by_slot(np.repeat(req_slots, lens), self.device)
+        return {i: errors[r.lora_int_id] for i, r in enumerate(requests) if r is not None and r.lora_int_id in errors}
 
     def end_step(self) -> None:
         self._step = None

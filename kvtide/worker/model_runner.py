@@ -267,8 +267,10 @@ class ModelRunner:
             drafts = self.spec.agree(so, drafts)
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
+        lora_failed: dict[int, str] = {}
         if self.lora is not None:
-            self.lora.begin_step(self.input_batch.step_lora_requests(inputs), np.diff(inputs.metadata.query_start_loc_cpu))
+            lora_failed = self.lora.begin_step(self.input_batch.step_lora_requests(inputs),
+                                               np.diff(inputs.metadata.query_start_loc_cpu))
         try:
             hidden = self._forward(inputs)
         finally:
@@ -278,6 +280,8 @@ class ModelRunner:
             collapse_in_background(self._kv_to_collapse)
             self._kv_to_collapse = []
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
+        for index, error in lora_failed.items():  # their rows ran as the base model: they end here
+            output.failed[inputs.order[index]] = error
         if connector is not None:
             output.kv_connector_output = connector.save_kv(so.kv_connector_metadata)
         if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps

@@ -130,3 +130,24 @@ def test_adapters_need_enable_lora(case):
 def test_max_cpu_loras_below_max_loras_is_refused(case):
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(case.base_dir, device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_adapter_gone_before_its_reload_fails_only_its_requests(case, tmp_path):
+    """An adapter evicted from host memory whose files vanish before a step needs it again: its
+    requests end (finish_reason "abort"), the others and the engine go on."""
+    llm = LLM(case.base_dir, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory="8MiB",
+              enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    try:
+        doomed = LoRARequest("doomed", 1, shutil.copytree(case.adapter_dirs["attn-r8"], str(tmp_path / "doomed")))
+        other = LoRARequest("mlp", 2, case.adapter_dirs["mlp-r4"])
+        llm.engine.add_lora(doomed)
+        llm.engine.add_lora(other)  # one host slot: the first is evicted
+        llm.engine.add_request("gone", "Hello", GREEDY, lora_request=doomed)
+        llm.engine.add_request("fine", "Hello", GREEDY, lora_request=other)
+        shutil.rmtree(doomed.lora_path)
+        outputs = {o.request_id: o for o in llm._run(["gone", "fine"], use_tqdm=False)}
+        assert outputs["gone"].outputs[0].finish_reason == "abort"
+        assert outputs["fine"].outputs[0].finish_reason == "length" and len(outputs["fine"].outputs[0].token_ids) == 4
+        assert llm.generate(["Hi"], GREEDY, lora_request=other)[0].outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
