@@ -68,6 +68,8 @@ class LoRAModelState:
         """The adapter id in each slot (0: free)."""
         self._slot_used = [0.0] * config.max_loras
         self._step: LoRAStepGroups | None = None
+        self._add_lora = _choose_op(device)
+        """The batched op: the Triton kernels on CUDA (when Triton is installed), else the torch op."""
         self.load_seconds: list[float] = []
         """How long each adapter load from disk took (the metrics report them)."""
         self._hooks = [slots.linear.module.register_forward_hook(self._hook(slots)) for slots in self.linears.values()]
@@ -175,8 +177,17 @@ class LoRAModelState:
             if not segments:
                 return None
             groups = step if len(segments) == len(step.segments) else _subset(step, segments)
-            return add_lora(output, x, slots.lora_a, slots.lora_b, groups, slots.linear.out_slices)
+            return self._add_lora(output, x, slots.lora_a, slots.lora_b, groups, slots.linear.out_slices)
         return add_rows_lora
+
+
+def _choose_op(device: torch.device):
+    if device.type == "cuda":
+        from kvtide.lora import triton_ops
+
+        if triton_ops.triton is not None:
+            return triton_ops.add_lora_triton
+    return add_lora
 
 
 def _subset(step: LoRAStepGroups, segments: list[tuple[int, int, int]]) -> LoRAStepGroups:
