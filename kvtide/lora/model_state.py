@@ -68,6 +68,10 @@ class LoRAModelState:
         """The adapter id in each slot (0: free)."""
         self._slot_used = [0.0] * config.max_loras
         self._step: LoRAStepGroups | None = None
+        self._model = model
+        self._fused_decode = getattr(model, "fused_decode", None)
+        """The model's fused CPU decode layers (layers/fused_decode.py), if any: they run the
+        linears inside one compiled call, past the hooks, so only steps without adapter rows use them."""
         self._add_lora = _choose_op(device)
         """The batched op: the Triton kernels on CUDA (when Triton is installed), else the torch op."""
         self.load_seconds: list[float] = []
@@ -147,6 +151,8 @@ class LoRAModelState:
         (its files changed or went away since it was checked): they run as the base model here and
         are the caller's to fail."""
         needed = {r.lora_int_id for r in requests if r is not None}
+        if self._fused_decode is not None:
+            self._model.fused_decode = None if needed else self._fused_decode
         if not needed:
             self._step = None
             return {}

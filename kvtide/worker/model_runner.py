@@ -114,8 +114,8 @@ class ModelRunner:
             from kvtide.lora.model_state import LoRAModelState
 
             self.lora = LoRAModelState(self.model, config.lora_config, mc.dtype, self.device)
-            # Both run the decoder layers without calling the linears (so without their hooks).
-            self.model.fused_decode = None
+            # CUDA graphs replay the linears without their hooks (the fused CPU decode layers
+            # likewise: LoRAModelState lets them run only steps without adapter rows).
             self.model.cuda_graph_blocker = "LoRA adapters: each step's rows choose their adapters"
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None

@@ -55,13 +55,22 @@ def test_three_adapters_and_base_rows_in_one_batch_match_hf(lora_case_factory, a
     runner = llm.engine.core.executor.runner
     begin = runner.lora.begin_step
 
+    fused = runner.lora._fused_decode  # the compiled CPU decode layers, where this machine has them
+
     def spy(requests, lens):
-        steps.append({r.lora_int_id for r in requests if r is not None} | ({0} if None in requests else set()))
-        begin(requests, lens)
+        failed = begin(requests, lens)
+        ids = {r.lora_int_id for r in requests if r is not None} | ({0} if None in requests else set())
+        steps.append((ids, runner.model.fused_decode is not None))
+        return failed
     runner.lora.begin_step = spy
     outputs = llm.generate(PROMPTS, GREEDY, lora_request=lora_requests(case, names))
     assert_each_matches_its_adapter(case, PROMPTS, names, outputs)
-    assert any(ids == {0, 1, 2, 3} for ids in steps), "every adapter and the base shared a step"
+    assert any(ids == {0, 1, 2, 3} for ids, _ in steps), "every adapter and the base shared a step"
+    # The fused decode layers bypass the hooks: never on a step with adapter rows, on for the base's.
+    assert not any(on for ids, on in steps if ids - {0})
+    base_only = llm.generate(PROMPTS[:2], GREEDY)
+    assert_each_matches_its_adapter(case, PROMPTS[:2], [None, None], base_only)
+    assert steps[-1] == ({0}, fused is not None)
 
 
 def test_chunked_prefill_and_slot_and_host_eviction_match_hf(lora_case_factory):
