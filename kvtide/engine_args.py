@@ -342,8 +342,9 @@ class EngineArgs:
             return None
         if parallel.world_size > 1 or parallel.data_parallel_size > 1:
             raise ValueError("--enable-lora does not combine with tensor, pipeline or data parallelism yet")
-        if speculative is not None:
-            raise ValueError("--enable-lora does not combine with speculative decoding yet")
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError("--enable-lora combines with n-gram speculation only (a draft model or head would "
+                             "need the adapters too)")
         if model_impl != "kvtide":
             raise ValueError("--enable-lora needs kvtide's own implementation of the model (--model-impl kvtide)")
         return config

@@ -120,10 +120,11 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's entry point: per prompt, the beam_width best beams, best first. The same as
         `generate(prompts, SamplingParams(use_beam_search=True, ...))`."""
-        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         results = []
         for output in outputs:
             sequences = []
