@@ -6,8 +6,8 @@ warm prefix cache (which never shares KV between adapters)."""
 from __future__ import annotations
 
 import pytest
-from conftest import ADAPTERS
 from hf_reference import LONG_PROMPT, assert_greedy_and_logprobs_match_hf, hf_greedy, random_prompts
+from lora_cases import ADAPTERS
 
 from kvtide import LLM, LoRARequest, SamplingParams
 

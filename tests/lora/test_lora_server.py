@@ -18,19 +18,17 @@ PROMPTS = ["The cache holds blocks of keys", "Seven quantum lattices", "Hello"]
 
 @pytest.fixture(scope="module")
 def servers(lora_case_factory):
-    """A server that may update adapters at run time, and one that may not; started side by side."""
+    """A server that may update adapters at run time (who may not: test_lora_routes.py)."""
     case = lora_case_factory("LlamaForCausalLM")
-    common = ["--enable-lora", "--max-lora-rank", "16", "--kv-cache-memory", "32MiB",
-              "--lora-modules", f"attn={case.adapter_dirs['attn-r8']}"]
-    updating = start_server(case.base_dir, *common, "--max-loras", "2", "--max-cpu-loras", "2",
-                            "--allow-runtime-lora-updating", api_key=None)
-    fixed = start_server(case.base_dir, *common, api_key=None, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
+    handle = wait_ready(start_server(case.base_dir, "--enable-lora", "--max-lora-rank", "16", "--kv-cache-memory", "32MiB",
+                           "--lora-modules", f"attn={case.adapter_dirs['attn-r8']}", "--max-loras", "2",
+                           "--max-cpu-loras", "2", api_key=None,
+                                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}))
     try:
-        yield case, wait_ready(updating), wait_ready(fixed)
+        yield case, handle
     finally:
-        for handle in (updating, fixed):
-            handle.stop()
-            os.unlink(handle.log_path)
+        handle.stop()
+        os.unlink(handle.log_path)
 
 
 def client(handle) -> openai.OpenAI:
@@ -49,7 +47,7 @@ def reference(case, name: str | None, prompt: str) -> str:
 
 
 def test_models_list_adapters_with_their_parent(servers):
-    case, handle, _ = servers
+    case, handle = servers
     models = {m.id: m for m in client(handle).models.list().data}
     assert set(models) >= {MODEL_NAME, "attn"}
     assert models["attn"].model_extra["parent"] == MODEL_NAME
@@ -57,7 +55,7 @@ def test_models_list_adapters_with_their_parent(servers):
 
 
 def test_requests_pick_their_adapter_by_model(servers):
-    case, handle, _ = servers
+    case, handle = servers
     for prompt in PROMPTS[:2]:
         assert complete(handle, "attn", prompt) == reference(case, "attn-r8", prompt)
         assert complete(handle, MODEL_NAME, prompt) == reference(case, None, prompt)
@@ -73,7 +71,7 @@ def post(handle, path: str, body: dict) -> httpx.Response:
 
 
 def test_load_use_unload_reuse_under_streaming_traffic(servers):
-    case, handle, _ = servers
+    case, handle = servers
 
     async def stream(model: str, prompt: str) -> str:
         aclient = openai.AsyncOpenAI(base_url=handle.url("/v1"), api_key="none", max_retries=0)
@@ -118,7 +116,7 @@ def test_load_use_unload_reuse_under_streaming_traffic(servers):
 
 
 def test_bad_updates_are_refused(servers, tmp_path):
-    case, handle, fixed = servers
+    case, handle = servers
     again = post(handle, "/v1/load_lora_adapter", {"lora_name": "attn", "lora_path": case.adapter_dirs["attn-r8"]})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     base_name = post(handle, "/v1/load_lora_adapter", {"lora_name": MODEL_NAME, "lora_path": case.adapter_dirs[
@@ -131,15 +129,11 @@ def test_bad_updates_are_refused(servers, tmp_path):
     unknown = post(handle, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     assert post(handle, "/v1/load_lora_adapter", {"lora_name": "x"}).status_code == 400
-    # Not allowed: refused, and nothing changes.
-    refused = post(fixed, "/v1/load_lora_adapter", {"lora_name": "mlp", "lora_path": case.adapter_dirs["mlp-r4"]})
-    assert refused.status_code == 404 and "allow-runtime-lora-updating" in refused.json()["error"]["message"]
-    assert post(fixed, "/v1/unload_lora_adapter", {"lora_name": "attn"}).status_code == 404
-    assert complete(fixed, "attn", PROMPTS[0]) == reference(case, "attn-r8", PROMPTS[0])
+    assert complete(handle, "attn", PROMPTS[0]) == reference(case, "attn-r8", PROMPTS[0])
 
 
 def test_metrics_name_running_adapters_and_load_times(servers):
-    case, handle, _ = servers
+    case, handle = servers
     seen = None
     with httpx.stream("POST", handle.url("/v1/completions"), timeout=60.0, json={
             "model": "attn", "prompt": "Hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
