@@ -89,3 +89,19 @@ def test_ngram_speculation(lora_case_factory):
         assert llm.engine.core.scheduler.spec_stats.as_dict()["num_draft_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_float_adapter_over_an_int8_base(engines):
+    """QLoRA-style serving: the base weights int8, the adapter in float. Its rows stay what they are
+    alone when batched with base rows, base rows stay the int8 model's, and the adapter matters."""
+    case, _, _, lora = engines
+    llm = make_llm(case.base_dir, quantization="int8", enable_lora=True, max_lora_rank=16)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+        mixed = llm.generate(PROMPTS + PROMPTS, greedy, lora_request=[lora, lora, None, None])
+        alone = llm.generate(PROMPTS, greedy, lora_request=lora)
+        base = llm.generate(PROMPTS, greedy)
+        assert token_ids(mixed[:2]) == token_ids(alone)
+        assert token_ids(mixed[2:]) == token_ids(base) != token_ids(alone)
+    finally:
+        llm.shutdown()
