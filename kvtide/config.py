@@ -253,6 +253,8 @@ class EngineConfig:
     """kvtide.disagg.config.KVTransferConfig, or None: the KV cache lives on the device only."""
     kv_events_config: Any = None
     """kvtide.kv_events.KVEventsConfig, or None: the block pool's changes are not published."""
+    lora_config: Any = None
+    """kvtide.lora.config.LoRAConfig, or None: no LoRA adapters."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

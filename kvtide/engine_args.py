@@ -169,6 +169,14 @@ class EngineArgs:
     nodes of a running Ray cluster); default: mp when a replica has more than one rank."""
     cpu_threads_per_rank: int | None = None
     """On CPU, torch threads each rank runs (default: the usable cores split evenly between ranks)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) over the base model, many in one batch."""
+    max_loras: int = 1
+    """LoRA: adapters resident on the device at once (the most distinct adapters in one batch)."""
+    max_lora_rank: int = 16
+    """LoRA: the largest adapter rank accepted (the slots are preallocated at it)."""
+    max_cpu_loras: int | None = None
+    """LoRA: adapters kept loaded in host memory, least recently used evicted (default: max_loras)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -333,6 +341,7 @@ class EngineArgs:
             kv_events_config=self._resolve_kv_events(),
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             parallel_config=parallel,
+            lora_config=self._resolve_lora(parallel, speculative, model_impl),
         )
 
     def _resolve_kv_events(self):
@@ -343,6 +352,22 @@ class EngineArgs:
         if config is not None and not self.enable_prefix_caching:
             raise ValueError("--kv-events-config tells of the prefix cache's blocks: it needs prefix caching "
                              "(drop --no-enable-prefix-caching)")
+        return config
+
+    def _resolve_lora(self, parallel, speculative, model_impl: str):
+        """--enable-lora and its sizes, checked against the rest of the engine."""
+        from kvtide.lora.config import resolve_lora_config
+
+        config = resolve_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if config is None:
+            return None
+        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError("--enable-lora does not combine with tensor, pipeline or data parallelism yet")
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError("--enable-lora combines with n-gram speculation only (a draft model or head would "
+                             "need the adapters too)")
+        if model_impl != "kvtide":
+            raise ValueError("--enable-lora needs kvtide's own implementation of the model (--model-impl kvtide)")
         return config
 
     def _resolve_kv_transfer(self, parallel, kv_policy: dict):

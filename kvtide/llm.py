@@ -14,6 +14,7 @@ from kvtide.engine.dp_llm_engine import DataParallelLLMEngine
 from kvtide.engine.input_processor import PromptType
 from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
+from kvtide.lora.request import LoRARequest
 from kvtide.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvtide.sampling_params import BeamSearchParams, SamplingParams
 from kvtide.tokenizer import load_tokenizer
@@ -53,7 +54,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one LoRA adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -63,17 +66,21 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompt_list))
         # Validate everything before queueing anything.
         for prompt, params in zip(prompt_list, params_list, strict=True):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
             processed = self.engine.input_processor.process_prompt(prompt)
             self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
+        for lora in dict.fromkeys(r for r in loras if r is not None):  # each adapter loaded and checked once
+            self.engine.add_lora(lora)
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 request_id = self.engine.next_request_id()
-                self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                self.engine.add_request(request_id, prompt, params, priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(request_id)
         except BaseException:
             self.engine.abort_request(ids)  # a late refusal (e.g. a full queue) takes the batch back
@@ -143,10 +150,11 @@ class LLM:
         return self.engine.core.executor.collective_rpc(method, args, kwargs)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's entry point: per prompt, the beam_width best beams, best first. The same as
         `generate(prompts, SamplingParams(use_beam_search=True, ...))`."""
-        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         results = []
         for output in outputs:
             sequences = []
@@ -157,6 +165,20 @@ class LLM:
                                                     text, c.finish_reason, c.stop_reason))
             results.append(BeamSearchOutput(sequences))
         return results
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request: got {len(lora_request)} for {num_prompts} prompts")
+    for lora in lora_request:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}")
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -17,6 +17,7 @@ engine), EngineDeadError (the engine-core process is gone; every request fails).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from kvtide.engine.core_client import (
 from kvtide.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
+from kvtide.lora.request import LoRARequest
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
 
@@ -174,13 +176,15 @@ class AsyncLLM:
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, add_special_tokens: bool = True,
-                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs of one request until it finishes: DELTA (what each step added),
         or FINAL_ONLY (one, whole, at the end: the offline LLM's).
 
         Leaving the iteration early (cancellation, an error, aclose) aborts the request in the
         engine, every sample of it."""
-        state = self._add_request(prompt, params, request_id, priority, add_special_tokens, output_kind)
+        state = self._add_request(prompt, params, request_id, priority, add_special_tokens, output_kind,
+                                  lora_request)
         finished = False
         try:
             while True:
@@ -200,7 +204,8 @@ class AsyncLLM:
                 self._abort(request_id, "abort")
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int,
-                     add_special_tokens: bool, output_kind: RequestOutputKind) -> _RequestState:
+                     add_special_tokens: bool, output_kind: RequestOutputKind,
+                     lora_request: LoRARequest | None = None) -> _RequestState:
         if self.client.dead_error is not None:
             raise self.client.dead_error
         if not isinstance(params, SamplingParams):
@@ -209,7 +214,8 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.process_prompt(prompt, add_special_tokens)
         arrival = time.time()
-        core_requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival)
+        core_requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival,
+                                                           lora_request=lora_request)
         child_ids = [r.request_id for r in core_requests]
         state = _RequestState(request_id, child_ids, len(processed.prompt_token_ids), arrival)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
@@ -384,6 +390,15 @@ class AsyncLLM:
         """Per data-parallel replica: pid and the requests the balancer sent it; [] with one engine."""
         summaries = getattr(self.client, "engine_summaries", None)
         return summaries() if summaries is not None else []
+
+    async def add_lora(self, lora_request: LoRARequest) -> float:
+        """Load and check a LoRA adapter in the engine core; the load's seconds. EngineGenerateError
+        (its message starting "ValueError:") for a bad adapter, with nothing changed."""
+        return float(await self.client.call_utility("add_lora", dataclasses.asdict(lora_request), timeout_s=120.0))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter; requests still running with it finish first."""
+        await self.client.call_utility("remove_lora", lora_int_id, timeout_s=30.0)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache", timeout_s=30.0))

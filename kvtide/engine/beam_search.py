@@ -257,7 +257,8 @@ class BeamSearch:
             parent = old[parent_index].request
             child = Request(EngineCoreRequest(
                 f"{group.root_id}#beam{group.num_steps}.{j}", parent.prompt_token_ids, group.beam_params,
-                list(parent.eos_token_ids), parent.arrival_time, parent.priority))
+                list(parent.eos_token_ids), parent.arrival_time, parent.priority,
+                lora_request=parent.lora_request))
             child.output_token_ids = list(parent.output_token_ids)
             child.all_token_ids = list(parent.all_token_ids)
             child.append_output_token(token)

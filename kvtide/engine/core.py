@@ -34,6 +34,7 @@ from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest, Request, RequestStatus
 from kvtide.kv_events.events import KVEventRecorder
 from kvtide.kv_events.publisher import KVEventPublisher
+from kvtide.lora.stats import lora_stats
 from kvtide.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvtide.scheduler.scheduler import Scheduler
 from kvtide.spec_decode.metrics import difference, summarize
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 SPEC_LOG_INTERVAL_S = 10.0
 EXPERT_LOAD_LOG_INTERVAL_S = 10.0
+LORA_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -68,6 +70,13 @@ class EngineCore:
                                    SpecDecodePolicy(spec, spec.draft_cost or 0.0) if spec is not None else None,
                                    self.structured_output,
                                    kv_connector.scheduler if kv_connector is not None else None)
+        if config.lora_config is not None:
+            self.scheduler.max_loras = config.lora_config.max_loras
+        self._loras_to_remove: set[int] = set()
+        """LoRA adapters unloaded while requests still ran with them: removed once those finish."""
+        self._lora_names: dict[int, str] = {}
+        """lora_int_id -> name of the adapters loaded (for stats and the log)."""
+        self._lora_logged = time.monotonic()
         self._spec_logged: tuple[float, dict | None] = (time.monotonic(), None)
         self._expert_load_logged: tuple[float, dict | None] = (time.monotonic(), None)
         """When the speculative decoding line was last logged, and the counters then."""
@@ -118,6 +127,26 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._batch_queue)
+
+    # ---- LoRA adapters (the model's side: lora/model_state.py) --------------------------------
+    def add_lora(self, lora_request) -> float:
+        """Load and check an adapter (ValueError: a bad one, nothing changed); the load's seconds."""
+        self._loras_to_remove.discard(lora_request.lora_int_id)
+        seconds = self.executor.add_lora(lora_request)
+        self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+        return seconds
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter; requests running with it finish first (new ones are the caller's to refuse)."""
+        self._loras_to_remove.add(lora_int_id)
+        self._remove_unused_loras()
+
+    def _remove_unused_loras(self) -> None:
+        in_use = {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        for lora_int_id in self._loras_to_remove - in_use:
+            self.executor.remove_lora(lora_int_id)
+            self._loras_to_remove.discard(lora_int_id)
+            self._lora_names.pop(lora_int_id, None)
 
     def step(self) -> list[EngineCoreOutput]:
         if self._batch_queue is not None:
@@ -190,11 +219,25 @@ class EngineCore:
         self.beam_search.take_results(runner_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
+        if self._loras_to_remove:
+            self._remove_unused_loras()
+        if self.config.lora_config is not None:
+            self._log_loras()
         if self.scheduler.spec_policy is not None:
             self._log_spec_decoding()
         if self.scheduler.expert_load is not None:
             self._log_expert_load()
         return outputs + self.beam_search.advance(stalled=scheduler_output.is_empty)
+
+    def _log_loras(self) -> None:
+        """Every LORA_LOG_INTERVAL_S: the resident adapters and the requests on each."""
+        now = time.monotonic()
+        if now - self._lora_logged < LORA_LOG_INTERVAL_S:
+            return
+        self._lora_logged = now
+        stats = self._lora_stats()
+        logger.info("LoRA adapters: resident %s; running %s; waiting %s", ", ".join(stats["resident"]) or "none",
+                    stats["running"] or "none", stats["waiting"] or "none")
 
     def _log_spec_decoding(self) -> None:
         """Every SPEC_LOG_INTERVAL_S: the acceptance figures of the interval."""
@@ -232,7 +275,14 @@ class EngineCore:
             self.kv_events.publish(self._kv_event_recorder.take())  # type: ignore[union-attr]
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.config.lora_config is not None:
+            stats.lora = self._lora_stats()
+        return stats
+
+    def _lora_stats(self) -> dict:
+        return lora_stats(self.scheduler.running, self.scheduler.waiting, self.config.lora_config.max_loras,
+                          self._lora_names, self.executor.lora_stats())
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -34,6 +34,7 @@ from kvtide.child_process import die_with_parent, set_cpu_share
 from kvtide.engine import serialization
 from kvtide.engine.core import EngineCore
 from kvtide.engine.request import RequestStatus
+from kvtide.lora.request import LoRARequest
 from kvtide.private_files import read_args_file
 
 logger = logging.getLogger("kvtide.engine.core_proc")
@@ -191,6 +192,11 @@ class EngineCoreProc:
             return True
         if method == "num_steps":
             return self.core.num_steps
+        if method == "add_lora":
+            return self.core.add_lora(LoRARequest.from_wire(args[0]))
+        if method == "remove_lora":
+            self.core.remove_lora(int(args[0]))
+            return True
         if method == "comm_stats":  # this process's collectives (a replica sharing experts: their exchanges)
             return self.core.executor.local_comm_stats()
         if method == "sleep":

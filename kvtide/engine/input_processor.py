@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtide.engine.request import EngineCoreRequest
+from kvtide.lora.request import LoRARequest
 from kvtide.sampling_params import SamplingParams
 
 
@@ -153,7 +154,8 @@ class InputProcessor:
             raise ValueError(error)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:
+                      priority: int = 0, arrival_time: float | None = None,
+                      lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         self.check_params(params, len(prompt.prompt_token_ids))
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids or []) | \
@@ -168,5 +170,5 @@ class InputProcessor:
                 logprobs=params.logprobs if params.best_of is None or params.logprobs is not None else 0)
             requests.append(EngineCoreRequest(child_id, prompt.prompt_token_ids, child_params,
                                               list(self.eos_token_ids), arrival, priority,
-                                              fork_of=ids[0] if index else None))
+                                              fork_of=ids[0] if index else None, lora_request=lora_request))
         return requests

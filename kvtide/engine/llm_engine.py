@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from kvtide.engine.core import EngineCore
 from kvtide.engine.input_processor import InputProcessor, PromptType
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
+from kvtide.lora.request import LoRARequest
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
 
@@ -32,14 +33,17 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        """Validate and queue a request. Raises ValueError before changing anything."""
+                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request. Raises ValueError before changing anything. A LoRA adapter
+        is the caller's to load first (`add_lora`: that checks it)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.process_prompt(prompt)
-        core_requests = self.input_processor.make_requests(request_id, processed, params, priority)
+        core_requests = self.input_processor.make_requests(request_id, processed, params, priority,
+                                                           lora_request=lora_request)
         for core_request in core_requests:
             self.core.check_request(core_request)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
@@ -51,6 +55,15 @@ class LLMEngine:
         except BaseException:
             self.abort_request([request_id])  # take back the samples already queued
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> float:
+        """Load and check a LoRA adapter (ValueError: a bad one, or LoRA is off); the load's seconds."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         child_ids = self.output_processor.abort_requests(list(request_ids))

@@ -71,4 +71,7 @@ class SchedulerStats:
     before the first constrained request."""
     kv_connector: dict | None = None
     """KV connector counters (disagg/base.py ConnectorStats), None without a connector."""
+    lora: dict | None = None
+    """LoRA adapters: requests per adapter running and waiting, the resident ones, load times
+    (lora/stats.py); None with LoRA off."""
     extra: dict = field(default_factory=dict)

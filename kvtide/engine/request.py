@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvtide.lora.request import LoRARequest
 from kvtide.sampling_params import SamplingParams
 
 
@@ -43,6 +44,11 @@ class EngineCoreRequest:
     """Engine-core id of a sibling (same user request, same prompt) this one is forked from instead
     of computing the prompt itself: n > 1 and best_of samples share the first sample's prompt
     blocks; the other output slots of a beam search name its root beam."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter this request runs with (None: the base model)."""
+
+    def __post_init__(self) -> None:
+        self.lora_request = LoRARequest.from_wire(self.lora_request)  # a dict when it crossed a process boundary
 
 
 class Request:
@@ -77,6 +83,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.fork_of = core_request.fork_of
+        self.lora_request = core_request.lora_request
         self.spec_stats = None
         """Speculative decoding: this request's acceptance estimate (spec_decode/policy.py)."""
         self.grammar_future = None

@@ -171,7 +171,8 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         if self.enable_caching:
             hash_request_blocks(self.hash_fn, request.all_token_ids, self.block_size,
-                                request.block_hashes, request.sampling_params.cache_salt)
+                                request.block_hashes, request.sampling_params.cache_salt,
+                                request.lora_request.lora_int_id if request.lora_request is not None else None)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks at the start of the request, and its length in

@@ -49,16 +49,19 @@ def hash_block_tokens(hash_fn: HashFn, parent: BlockHash | None, token_ids: Sequ
     return BlockHash(hash_fn(payload), tuple(token_ids), extra_keys)
 
 
-def extra_keys_for(cache_salt: str | None) -> bytes:
-    return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+def extra_keys_for(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+    return salt if lora_int_id is None else salt + b"lora:" + str(lora_int_id).encode()
 
 
 def hash_request_blocks(hash_fn: HashFn, token_ids: Sequence[int], block_size: int,
-                        existing: list[BlockHash], cache_salt: str | None = None) -> None:
-    """Extend `existing` in place with the keys of every full block of `token_ids` not yet hashed."""
+                        existing: list[BlockHash], cache_salt: str | None = None,
+                        lora_int_id: int | None = None) -> None:
+    """Extend `existing` in place with the keys of every full block of `token_ids` not yet hashed.
+    A LoRA adapter's id joins the first block's extra keys: its KV is its own."""
     num_full = len(token_ids) // block_size
     parent = existing[-1] if existing else None
     for i in range(len(existing), num_full):
-        extra = extra_keys_for(cache_salt) if i == 0 else b""
+        extra = extra_keys_for(cache_salt, lora_int_id) if i == 0 else b""
         parent = hash_block_tokens(hash_fn, parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         existing.append(parent)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
+from kvtide.lora.request import LoRARequest
 from kvtide.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the scheduler's floor runs without torch
@@ -36,6 +37,8 @@ class NewRequestData:
     """Tokens whose KV is already in the cache (prefix hit)."""
     num_output_tokens: int = 0
     """Output tokens among `token_ids` (generated before a preemption)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
 
 @dataclass

@@ -114,6 +114,8 @@ class Scheduler:
         """parent id -> requests waiting to be forked from it once its prompt is computed."""
         self._send_full: set[str] = set()
         """Running requests the runner has not seen (forked children): sent as NewRequestData."""
+        self.max_loras: int | None = None
+        """With LoRA: the most distinct adapters running at once (the model's slots); None: no LoRA."""
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -364,6 +366,9 @@ class Scheduler:
                 self.waiting.pop()
                 self._fail_grammar(request)
                 continue
+            if not self._lora_slot_free(request):  # its adapter waits for a slot: it keeps its place
+                compiling.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_external = 0
             if self.kv_connector is not None:
@@ -395,6 +400,14 @@ class Scheduler:
             self.waiting.add_front(request)
         return budget
 
+    def _lora_slot_free(self, request: Request) -> bool:
+        """Whether `request` may run beside the running ones: its adapter is among theirs, or they
+        use fewer than max_loras adapters (the model holds that many at once)."""
+        if request.lora_request is None or self.max_loras is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_request.lora_int_id in running or len(running) < self.max_loras
+
     def _fail_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
         self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
@@ -415,6 +428,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens=request.num_output_tokens,
+            lora_request=request.lora_request,
         )
 
     def _pick_victim(self, candidates: list[Request], current: Request) -> Request:

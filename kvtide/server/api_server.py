@@ -40,6 +40,8 @@ from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.lora.api_router import router as lora_router
+from kvtide.server.openai.lora.modules import LoRAModules
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
@@ -62,6 +64,7 @@ def build_app(state: ServerState) -> Any:
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(tokenize_router)
+    app.include_router(lora_router)
     app.include_router(websocket_router)
 
     @app.get("/health")
@@ -90,6 +93,10 @@ def build_app(state: ServerState) -> Any:
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "kvtide", "root": root,
                  "parent": None, "max_model_len": s.max_model_len, "architecture": info.architecture,
                  "model_impl": info.model_impl} for name in s.settings.served_model_names]
+        data += [{"id": name, "object": "model", "created": s.created, "owned_by": "kvtide", "root": lora.lora_path,
+                  "parent": lora.base_model_name or s.model_name, "max_model_len": s.max_model_len,
+                  "architecture": info.architecture, "model_impl": info.model_impl}
+                 for name, lora in s.loras.adapters.items()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/metrics")
@@ -233,7 +240,14 @@ async def serve(engine_args: Any, settings: ServerSettings, host: str, port: int
     try:
         parsers = OutputParsers.create(engine.tokenizer, settings.tool_call_parser,
                                        settings.enable_auto_tool_choice, settings.reasoning_parser)
-        state = ServerState(engine=engine, settings=settings, metrics=metrics, parsers=parsers)
+        state = ServerState(engine=engine, settings=settings, metrics=metrics, parsers=parsers,
+                            loras=LoRAModules(settings.served_model_names, settings.allow_runtime_lora_updating),
+                            engine_serves_lora=bool(getattr(engine_args, "enable_lora", False)))
+        for spec in settings.lora_modules:  # --lora-modules: a bad adapter stops the start
+            try:
+                await state.loras.load(engine, spec.name, spec.path, spec.base_model_name)
+            except OpenAIError as e:
+                raise ValueError(f"--lora-modules {spec.name}={spec.path}: {e.message}") from e
         lifecycle = _Lifecycle(state, asyncio.get_running_loop())
         engine.client.add_dead_listener(lifecycle.on_engine_dead)
         config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",

@@ -126,6 +126,12 @@ def register(subparsers) -> None:
                         "--data-parallel-rpc-port (with the head's $KVTIDE_DP_SECRET); exits when the head "
                         "shuts them down or goes away")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served by name, as name=path or a JSON object "
+                        '{"name", "path", "base_model_name"}; a request picks one by its model field (needs --enable-lora)')
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; needs --enable-lora)")
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
 
@@ -146,6 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--engine-timeout must be >= 0 (0 disables the watchdog)")
     check_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     check_data_parallel_args(engine_args)
+    lora_modules, allow_lora_updates = _lora_flags(args, engine_args)
     _check_port_free(args.host, args.port)
     engine_args.check_local_checkpoint()  # a broken checkpoint: refused now, not once the engine loaded it
     api_key = args.api_key or os.environ.get("KVTIDE_API_KEY") or None
@@ -176,7 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                   admin_api_key=admin_api_key,
                                   enable_ui=args.enable_ui, enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                                  allowed_origins=allowed_origins, allowed_hosts=allowed_hosts)
+                                  allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
+                                  lora_modules=lora_modules, allow_runtime_lora_updating=allow_lora_updates)
     except BaseException:
         if spawned is not None:
             spawned.kill()
@@ -195,6 +203,17 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _lora_flags(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[list, bool]:
+    """--lora-modules parsed, and whether runtime adapter updates are allowed; both need --enable-lora."""
+    from kvtide.server.openai.lora.modules import parse_lora_modules, runtime_updating_allowed
+
+    modules = parse_lora_modules(args.lora_modules)
+    allowed = runtime_updating_allowed(args.allow_runtime_lora_updating)
+    if (modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    return modules, allowed
 
 
 def _run_headless(engine_args: EngineArgs, log_level: str) -> int:

@@ -38,6 +38,7 @@ KV blocks are reported in three gauges, so a cache that filled up is not mistake
 from __future__ import annotations
 
 import itertools
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -54,6 +55,9 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.
                           0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 MAX_EXPERT_SERIES = 4096
+MAX_LORA_SERIES = 32
+"""Adapters with a series of their own in kvtide:lora_adapter_requests (bounded cardinality)."""
+LORA_LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Per-(layer, expert) series of kvtide:moe_expert_tokens a model may have; beyond, per layer only."""
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -168,6 +172,16 @@ class ServerMetrics:
                                 "engine's running batch.", engine_labels, registry=r)
         self.dp_waiting = Gauge("kvtide:data_parallel_engine_waiting", "Requests waiting in each "
                                 "data-parallel engine.", engine_labels, registry=r)
+        # LoRA: vLLM's info gauge (its value the scrape's time), requests per adapter, load times.
+        self.lora_info = Gauge("kvtide:lora_requests_info", "Running and waiting LoRA adapters (comma-separated "
+                               "names) and max_lora; the value is the time of the report.",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.lora_adapter_requests = Gauge("kvtide:lora_adapter_requests", "Requests running or waiting per LoRA "
+                                           f"adapter (the first {MAX_LORA_SERIES} adapters by name; the rest as "
+                                           "'other').", ["model_name", "lora_name", "state"], registry=r)
+        self.lora_load_seconds = histogram("lora_adapter_load_seconds", "Time to load a LoRA adapter from disk "
+                                           "into host memory (read, check, convert).", LORA_LOAD_BUCKETS)
+        self._lora_loads_seen = 0
         self._dp_last: dict[int, tuple[int, int]] = {}
         self._so_last_compile: dict[int, int] = {}
         self._so_last_invalid = 0
@@ -230,7 +244,30 @@ class ServerMetrics:
                 self.dp_running.labels(engine=str(engine), **self._labels).set(new_stats.num_running)
                 self.dp_waiting.labels(engine=str(engine), **self._labels).set(new_stats.num_waiting)
         self._set_expert_imbalance(stats.expert_load)
+        self._update_lora(per_engine[0].lora)
         self._last_per_engine = list(per_engine)
+
+    def _update_lora(self, lora: dict | None) -> None:
+        if lora is None:
+            return
+        self.lora_info.clear()
+        self.lora_info.labels(running_lora_adapters=",".join(sorted(lora["running"])),
+                              waiting_lora_adapters=",".join(sorted(lora["waiting"])),
+                              max_lora=str(lora["max_lora"])).set(time.time())
+        self.lora_adapter_requests.clear()
+        for state in ("running", "waiting"):
+            counts = lora[state]
+            names = sorted(counts)
+            shown, rest = names[:MAX_LORA_SERIES], names[MAX_LORA_SERIES:]
+            for name in shown:
+                self.lora_adapter_requests.labels(lora_name=name, state=state, **self._labels).set(counts[name])
+            if rest:
+                self.lora_adapter_requests.labels(lora_name="other", state=state, **self._labels).set(
+                    sum(counts[n] for n in rest))
+        new = lora["num_loads"] - self._lora_loads_seen
+        for seconds in lora["recent_load_seconds"][-new:] if new > 0 else []:
+            self.lora_load_seconds.observe(seconds)
+        self._lora_loads_seen = lora["num_loads"]
 
     def update_data_parallel(self, summaries: list[dict]) -> None:
         """The balancer's per-engine figures (AsyncLLM.engine_summaries); nothing with one engine."""

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from kvtide import LoRARequest
 from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
+from kvtide.server.openai.lora.modules import LoRAModules, LoRAModuleSpec
 from kvtide.server.output_parsers import OutputParsers
 
 if TYPE_CHECKING:
@@ -59,6 +61,10 @@ class ServerSettings:
     ("*": any); see server/browser_policy.py."""
     allowed_hosts: list[str] | None = None
     """Host header names accepted (None: any); `kvtide serve` bound to loopback: loopback names."""
+    lora_modules: list[LoRAModuleSpec] = field(default_factory=list)
+    """--lora-modules: adapters loaded at start, each served under its name."""
+    allow_runtime_lora_updating: bool = False
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (else 404)."""
 
 
 @dataclass
@@ -74,6 +80,10 @@ class ServerState:
     """The engine's sleep level as the sleep routes last saw it (server/sleep_mode.py); 0 awake."""
     num_inflight: int = 0
     """HTTP requests and WebSockets being served (not counting /health and /metrics)."""
+    loras: LoRAModules = field(default_factory=lambda: LoRAModules([]))
+    """The LoRA adapters served by name (server/openai/lora/modules.py)."""
+    engine_serves_lora: bool = False
+    """The engine was started with --enable-lora."""
 
     @property
     def model_name(self) -> str:
@@ -103,7 +113,13 @@ class ServerState:
         """The model name to report for a request naming `model` (None: the default); 404 if unknown."""
         if model is None or model in self.settings.served_model_names:
             return self.model_name
+        if self.loras.get(model) is not None:
+            return model
         raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request naming `model` runs with (None: the base model)."""
+        return self.loras.get(model)
 
     @functools.cached_property
     def token_text(self):

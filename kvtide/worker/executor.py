@@ -53,6 +53,22 @@ class UniprocExecutor:
         experts' exchanges."""
         self.runner.execute_dummy_batch()
 
+    def add_lora(self, lora_request) -> float:
+        """Load and check a LoRA adapter into host memory (ValueError: a bad one, nothing kept);
+        returns the seconds the load took (0.0: it was loaded already)."""
+        return self._lora().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora().remove_adapter(lora_int_id)
+
+    def lora_stats(self) -> dict:
+        return self._lora().stats()
+
+    def _lora(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        return self.runner.lora
+
     def comm_stats(self) -> dict[int, dict[str, dict[str, float]]]:
         return {0: self.local_comm_stats()}
 

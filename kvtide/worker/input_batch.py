@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvtide.attention.backend import AttentionMetadata
+from kvtide.lora.request import LoRARequest
 from kvtide.sampling.metadata import RowState, SamplingMetadata, SamplingRowTable
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import CachedRequestData, SchedulerOutput
@@ -30,6 +31,8 @@ class CachedRequestState:
     num_computed_tokens: int
     uid: int = 0
     """Fresh each time the runner (re)receives the request in full; see AttentionMetadata.row_uids."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
     def row_state(self) -> RowState:
         return RowState(self.sampling_params, self.token_ids[:self.num_prompt_tokens],
@@ -75,6 +78,7 @@ class InputBatch:
                 block_table[r, :num_blocks[r]]          block ids, -1 where the drop policy removed one,
                                                         0 past num_blocks (the padding a step's table has)
                 num_computed_tokens[r], num_prompt_tokens[r], uids[r]
+                lora_ids[r]                             the row's LoRA adapter id (0: the base model)
                 sampling.*[r]                           the sampling parameters (SamplingRowTable)
 
     With KV layer groups (kv_cache/hybrid.py) a request's block ids interleave one table per group
@@ -104,6 +108,9 @@ class InputBatch:
         self.block_table = np.zeros((rows, -(-cols // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.uids = np.zeros(rows, dtype=np.int64)
+        self.lora_ids = np.zeros(rows, dtype=np.int64)
+        self.lora_requests: dict[int, LoRARequest] = {}
+        """lora_int_id -> its LoRARequest, for the ids in `lora_ids` (the adapter's files)."""
         self.sampling = SamplingRowTable(vocab_size, rows)
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
@@ -123,7 +130,7 @@ class InputBatch:
             self._remove(new.request_id)
             self._add(CachedRequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                                          new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                                         uid=next(uids)))
+                                         uid=next(uids), lora_request=new.lora_request))
         if not so.scheduled_cached_reqs:
             return
         requests, row_of = self.requests, self.row_of
@@ -166,6 +173,10 @@ class InputBatch:
         self.block_table[row, :b] = state.block_ids
         self.num_blocks[row] = b
         self.uids[row] = state.uid
+        lora = state.lora_request
+        self.lora_ids[row] = lora.lora_int_id if lora is not None else 0
+        if lora is not None:
+            self.lora_requests[lora.lora_int_id] = lora
         self.sampling.write(row, state.sampling_params)
 
     def _remove(self, req_id: str) -> None:
@@ -176,6 +187,7 @@ class InputBatch:
         self.block_table[row, :self.num_blocks[row]] = 0  # a step's table pads with 0
         self.num_blocks[row] = 0
         self.num_tokens[row] = 0
+        self.lora_ids[row] = 0
         self._free_rows.append(row)
         self.sampling.clear(row)
 
@@ -230,7 +242,7 @@ class InputBatch:
 
     def _grow_rows(self, rows: int) -> None:
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                     "num_blocks", "uids"):
+                     "num_blocks", "uids", "lora_ids"):
             old = getattr(self, name)
             new = np.zeros((rows, *old.shape[1:]), dtype=old.dtype)
             new[:len(old)] = old
@@ -281,6 +293,11 @@ class InputBatch:
         return assemble_step_inputs(order, rows, lens, num_decodes, seq_lens, query_start_loc, token_req, positions,
                                     input_ids, block_tables, self.uids[rows].tolist(), sample_rows, num_drafts,
                                     self.block_size, self.device, num_kv_groups)
+
+    def step_lora_requests(self, inputs: StepInputs) -> list[LoRARequest | None]:
+        """The LoRA adapter of each request of the step, in batch order (None: the base model)."""
+        assert inputs.batch_rows is not None
+        return [self.lora_requests[i] if i else None for i in self.lora_ids[inputs.batch_rows].tolist()]
 
     def sampling_metadata(self, inputs: StepInputs) -> tuple[list[CachedRequestState], SamplingMetadata]:
         """The sampling requests' records, in the order of `inputs.sample_rows`, and their

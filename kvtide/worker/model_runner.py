@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+import numpy as np
 import torch
 
 from kvtide.attention.backend import AttentionMetadata
@@ -108,6 +109,18 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_large_allocations_on_heap()
             use_cpu_kernels(self.model, config.device_config.cpu_weight_prepack)
+        self.after_weights_derived: list = []
+        """Called after worker/sleep_mode.py derives packed and fused layouts from new weights."""
+        # ---- LoRA hook: slot tensors and a forward hook on every adaptable linear (lora/)
+        self.lora = None
+        if config.lora_config is not None:
+            from kvtide.lora.model_state import LoRAModelState
+
+            self.lora = LoRAModelState(self.model, config.lora_config, mc.dtype, self.device)
+            self.after_weights_derived.append(self.lora.weights_derived_again)
+            # CUDA graphs replay the linears without their hooks (the fused CPU decode layers
+            # likewise: LoRAModelState lets them run only steps without adapter rows).
+            self.model.cuda_graph_blocker = "LoRA adapters: each step's rows choose their adapters"
         # ---- speculative decoding hook: proposes before the forward pass, verifies after it
         self.spec = None
         if config.speculative_config is not None:
@@ -259,11 +272,21 @@ class ModelRunner:
             drafts = self.spec.agree(so, drafts)
         inputs = self._prepare_inputs(so, drafts)
         mass = self._score_accumulator(inputs.metadata)
-        hidden = self._forward(inputs)
+        lora_failed: dict[int, str] = {}
+        if self.lora is not None:
+            lora_failed = self.lora.begin_step(self.input_batch.step_lora_requests(inputs),
+                                               np.diff(inputs.metadata.query_start_loc_cpu))
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if self._kv_to_collapse:  # the first forward pass is done: start-up never waits for this
             collapse_in_background(self._kv_to_collapse)
             self._kv_to_collapse = []
         output = ModelRunnerOutput(sampled_token_ids={}, expert_load=self.take_expert_load())
+        for index, error in lora_failed.items():  # their rows ran as the base model: they end here
+            output.failed[inputs.order[index]] = error
         if connector is not None:
             output.kv_connector_output = connector.save_kv(so.kv_connector_metadata)
         if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps

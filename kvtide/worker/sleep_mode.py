@@ -165,7 +165,7 @@ def _derive_again(runner) -> None:
 
     _drop_derived(runner.model)
     use_cpu_kernels(runner.model, runner.config.device_config.cpu_weight_prepack)
-    for hook in getattr(runner, "after_weights_derived", ()):  # e.g. a feature that needs the layers unfused
+    for hook in runner.after_weights_derived:  # e.g. LoRA, which switches the fused decode layers per step
         hook()
 
 

@@ -31,7 +31,8 @@ import torch
 
 DEVICE = os.environ.get("KVTIDE_TEST_DEVICE", "cpu")
 TRITON_MODULES = ("kvtide.attention.triton_kernels", "kvtide.layers.triton_ops",
-                  "kvtide.layers.quantization.triton_kernels", "kvtide.layers.moe.triton_moe")
+                  "kvtide.layers.quantization.triton_kernels", "kvtide.layers.moe.triton_moe",
+                  "kvtide.lora.triton_ops")
 HERE = pathlib.Path(__file__).resolve().parent
 
 

@@ -223,7 +223,8 @@ class ChatServing:
         await check_constraint_off_loop(state.engine, params, source)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = merge_streams([state.engine.generate({"prompt_token_ids": prompt_ids}, params, response_id,
-                                                      request.priority)])
+                                                      request.priority,
+                                                      lora_request=state.lora_request(request.model))])
         charge_tokens(raw_request, len(prompt_ids))  # the key's quota, if any: now, not when it ends
         stream = charged_outputs(raw_request, stream)
         outputs = _ChoiceOutputs(plan, state.parsers.tool_parser, reasoning, request.include_reasoning)

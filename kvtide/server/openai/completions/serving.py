@@ -83,7 +83,8 @@ class CompletionServing:
         if params:
             await check_constraint_off_loop(state.engine, params[0], source)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = [state.engine.generate(prompt, p, f"{response_id}-{i}", request.priority)
+        lora_request = state.lora_request(request.model)
+        streams = [state.engine.generate(prompt, p, f"{response_id}-{i}", request.priority, lora_request=lora_request)
                    for i, (prompt, p) in enumerate(zip(processed, params, strict=False))]
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         charge_tokens(raw_request, num_prompt_tokens)  # the key's quota, if any: now, not when it ends
