@@ -34,12 +34,14 @@ from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import EngineDeadError, SpawnedEngineCore
 from kvtide.engine.dp_client import merge_stats
 from kvtide.server.admin import AdminGate
+from kvtide.server.anthropic.api_router import router as anthropic_router
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.responses.api_router import router as responses_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
@@ -62,6 +64,8 @@ def build_app(state: ServerState) -> Any:
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(tokenize_router)
+    app.include_router(responses_router)
+    app.include_router(anthropic_router)
     app.include_router(websocket_router)
 
     @app.get("/health")

@@ -14,6 +14,7 @@ from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
+from kvtide.server.openai.responses.store import ResponseStore
 from kvtide.server.output_parsers import OutputParsers
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ class ServerSettings:
     ("*": any); see server/browser_policy.py."""
     allowed_hosts: list[str] | None = None
     """Host header names accepted (None: any); `kvtide serve` bound to loopback: loopback names."""
+    enable_response_storage: bool = True
+    """Keep /v1/responses answers asked to be stored (off: --disable-response-storage, and then
+    GET and previous_response_id find nothing)."""
 
 
 @dataclass
@@ -70,6 +74,8 @@ class ServerState:
     """SIGTERM received: new requests get 503, those in flight finish."""
     num_inflight: int = 0
     """HTTP requests and WebSockets being served (not counting /health and /metrics)."""
+    response_store: ResponseStore = field(default_factory=ResponseStore)
+    """/v1/responses answers kept for GET and previous_response_id (openai/responses/store.py)."""
 
     @property
     def model_name(self) -> str:

@@ -24,6 +24,8 @@ SERVER_FLAGS = {
     # Tool calling and reasoning output (tests/server/test_tool_calling.py, test_reasoning_api.py).
     "tools_server": ["--max-num-seqs", "16", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                      "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template"],
+    # /v1/responses without its store (tests/server/test_responses_api.py).
+    "no_store_server": ["--max-num-seqs", "2", "--disable-response-storage"],
 }
 
 
@@ -67,6 +69,11 @@ def small_server(_server_processes):
 @pytest.fixture(scope="session")
 def tools_server(_server_processes):
     return wait_ready(_server_processes["tools_server"])
+
+
+@pytest.fixture(scope="session")
+def no_store_server(_server_processes):
+    return wait_ready(_server_processes["no_store_server"])
 
 
 @pytest.fixture(scope="session")
