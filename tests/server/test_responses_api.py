@@ -17,9 +17,14 @@ import openai
 import pytest
 from serve_helpers import API_KEY, MODEL_NAME
 from test_errors import check_error
-from test_tool_calling import THINKING_OFF, WEATHER
+from test_tool_calling import HERMES_TEXT, THINKING_OFF, WEATHER, random_pieces
 
+from kvtide.reasoning import get_reasoning_parser
+from kvtide.server.openai.chat_completions.assembly import ChoiceAssembler
+from kvtide.server.openai.chat_completions.tool_call_streams import AutoToolStream
+from kvtide.server.openai.responses.output_items import OutputItems
 from kvtide.server.openai.responses.store import ResponseStore
+from kvtide.tool_parsers import get_tool_parser
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
@@ -88,6 +93,43 @@ def test_store_is_a_bounded_lru():
     assert len(store) == 1 and store.get("big") is not None and store.num_bytes <= 10_000
     assert not store.put("huge", {"id": "huge"}, [{"content": "z" * 20_000}]) and store.get("huge") is None
     assert store.delete("big") and not store.delete("big") and store.num_bytes == 0
+
+
+def built_items(pieces: list[str], status: str = "completed") -> tuple[list, list]:
+    """Output items (without ids) and events of a reasoning + text + hermes-calls answer fed in pieces."""
+    assembler = ChoiceAssembler(get_reasoning_parser("deepseek_r1")(None),
+                                AutoToolStream(get_tool_parser("hermes")(None)))
+    items = OutputItems()
+    events = [e for piece in pieces for e in items.feed(assembler.feed(piece))]
+    events += items.feed(assembler.finish()) + items.finish(status)
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.items], events
+
+
+def test_output_items_do_not_depend_on_the_split():
+    text = "Hmm, the weather.</think>" + HERMES_TEXT
+    whole, _ = built_items([text])
+    assert [item["type"] for item in whole] == ["reasoning", "message", "function_call", "function_call"]
+    assert whole[0]["content"][0]["text"] == "Hmm, the weather." and whole[1]["content"][0]["text"] == "Let me look."
+    assert [(c["name"], c["arguments"]) for c in whole[2:]] == [("get_weather", '{"city": "Paris", "days": 2}'),
+                                                                ("get_time", '{"zone": "utc"}')]
+    assert all(item["status"] == "completed" for item in whole)
+    for seed in range(10):
+        items, events = built_items(random_pieces(text, seed))
+        assert items == whole, seed
+        # Every item is added, then done, in output order; the done events carry the whole item.
+        added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+        done = [e for e in events if e["type"] == "response.output_item.done"]
+        assert added == [e["output_index"] for e in done] == list(range(4))
+        assert [{k: v for k, v in e["item"].items() if k not in ("id", "call_id")} for e in done] == whole
+
+
+def test_a_cut_answer_marks_its_last_item_incomplete():
+    items, _ = built_items(["Hmm", "</think>Partial"], status="incomplete")
+    assert [(item["type"], item["status"]) for item in items] == [("reasoning", "completed"),
+                                                                  ("message", "incomplete")]
+    assert built_items([], status="completed")[0] == [  # nothing at all: one empty message
+        {"type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}]
 
 
 # ---- end to end --------------------------------------------------------------------------------
