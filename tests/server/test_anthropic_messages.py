@@ -88,6 +88,19 @@ def test_text_equals_chat_and_the_stream_adds_up(client, tools_client):
     assert blocks_of(final) == blocks_of(message) and final.stop_reason == message.stop_reason
 
 
+def test_system_blocks_and_count_tokens(client):
+    kwargs = dict(model=MODEL_NAME, max_tokens=6, messages=[USER], tools=TOOLS, tool_choice={"type": "none"},
+                  extra_body={**OFF, **GREEDY})
+    as_string = client.messages.create(system="Be brief. Really.", **kwargs)
+    as_blocks = client.messages.create(system=[{"type": "text", "text": "Be brief. "},
+                                               {"type": "text", "text": "Really."}], **kwargs)
+    assert blocks_of(as_blocks) == blocks_of(as_string)
+    assert as_blocks.usage.input_tokens == as_string.usage.input_tokens and as_blocks.usage.cache_read_input_tokens > 0
+    count = client.messages.count_tokens(model=MODEL_NAME, messages=[USER], system="Be brief. Really.", tools=TOOLS,
+                                         extra_body=OFF)
+    assert count.input_tokens == as_string.usage.input_tokens
+
+
 def test_stop_sequences(client):
     kwargs = dict(model=MODEL_NAME, max_tokens=24, messages=[USER], extra_body={**OFF, **GREEDY})
     text = client.messages.create(**kwargs).content[0].text

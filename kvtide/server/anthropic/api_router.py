@@ -1,4 +1,5 @@
-"""Route: POST /v1/messages (Anthropic's Messages API), answering errors in Anthropic's shape."""
+"""Routes: POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), answering
+errors in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from kvtide.server.anthropic.errors import error_response
-from kvtide.server.anthropic.protocol import MessagesRequest
+from kvtide.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvtide.server.anthropic.serving import CHAT_PARAMS, MessagesServing
 from kvtide.server.errors import OpenAIError, from_engine_error, validation_error
 from kvtide.server.state import get_state
@@ -41,3 +43,8 @@ router = APIRouter(route_class=AnthropicRoute)
 @router.post("/v1/messages")
 async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
     return await MessagesServing(get_state(raw_request)).create(request, raw_request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(request: CountTokensRequest, raw_request: Request) -> Response:
+    return JSONResponse(await MessagesServing(get_state(raw_request)).count_tokens(request))

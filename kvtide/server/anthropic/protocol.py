@@ -65,3 +65,9 @@ class MessagesRequest(OpenAIBaseModel):
     chat_template: str | None = None
     """A Jinja template for this request only (needs --trust-request-chat-template)."""
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None  # type: ignore[assignment]

@@ -23,8 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtide.server.anthropic.content_blocks import ContentBlocks
 from kvtide.server.anthropic.conversation import chat_fields
 from kvtide.server.anthropic.errors import error_body
-from kvtide.server.anthropic.protocol import MessagesRequest
+from kvtide.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvtide.server.errors import from_engine_error
+from kvtide.server.openai.chat_completions.serving import render_chat_prompt
+from kvtide.server.openai.chat_completions.tools import plan_tools
 from kvtide.server.openai.chat_turn import ChatTurn, chat_request, start_turn
 from kvtide.server.openai.common import ClientDisconnected, until_disconnected
 from kvtide.server.state import ServerState
@@ -68,6 +70,20 @@ class MessagesServing:
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(body)
+
+    async def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
+        """{"input_tokens": N}: the prompt /v1/messages would run for this body, counted."""
+        state = self.state
+        state.check_model(request.model)
+        fields = chat_fields(request)
+        if "tools" in fields:
+            fields.setdefault("tool_choice", "none")  # the tools are rendered the same; no parser needed
+        chat = chat_request(fields)
+        plan = plan_tools(chat, state.parsers.auto_tool_choice, state.limits)
+        _, prompt_ids = await render_chat_prompt(state, chat.messages, chat.add_generation_prompt, chat.chat_template,
+                                                 chat.chat_template_kwargs, plan.tools)
+        prompt_ids = state.engine.process_prompt({"prompt_token_ids": prompt_ids}).prompt_token_ids
+        return {"input_tokens": len(prompt_ids)}
 
     async def _collect(self, turn: ChatTurn, message_id: str, model: str) -> dict[str, Any]:
         blocks = ContentBlocks()
