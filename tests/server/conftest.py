@@ -16,7 +16,8 @@ from serve_helpers import API_KEY, pid_alive, start_server, wait_ready
 LONG_MODEL_LEN = "2048"
 # --max-num-seqs also bounds the CPU KV cache these servers allocate (max_num_seqs * max_model_len).
 SERVER_FLAGS = {
-    "server": ["--max-num-seqs", "40", "--enable-admin-api"],
+    # Its /v1/responses keeps nothing (test_responses_api.py): one server fewer than a dedicated one.
+    "server": ["--max-num-seqs", "40", "--enable-admin-api", "--disable-response-storage"],
     # Schedules each step while the one before runs: draining and aborts must hold there too.
     "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120",
                      "--async-scheduling"],
@@ -24,8 +25,6 @@ SERVER_FLAGS = {
     # Tool calling and reasoning output (tests/server/test_tool_calling.py, test_reasoning_api.py).
     "tools_server": ["--max-num-seqs", "16", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                      "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template"],
-    # /v1/responses without its store (tests/server/test_responses_api.py).
-    "no_store_server": ["--max-num-seqs", "2", "--disable-response-storage"],
 }
 
 
@@ -69,11 +68,6 @@ def small_server(_server_processes):
 @pytest.fixture(scope="session")
 def tools_server(_server_processes):
     return wait_ready(_server_processes["tools_server"])
-
-
-@pytest.fixture(scope="session")
-def no_store_server(_server_processes):
-    return wait_ready(_server_processes["no_store_server"])
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,14 @@ import json
 import jsonschema
 import openai
 import pytest
-from serve_helpers import API_KEY, MODEL_NAME
+from serve_helpers import MODEL_NAME
 from test_errors import check_error
 from test_tool_calling import HERMES_TEXT, THINKING_OFF, WEATHER, random_pieces
 
 from kvtide.reasoning import get_reasoning_parser
 from kvtide.server.openai.chat_completions.assembly import ChoiceAssembler
 from kvtide.server.openai.chat_completions.tool_call_streams import AutoToolStream
+from kvtide.server.openai.chat_completions.tools import AUTO_NEEDS_FLAGS
 from kvtide.server.openai.responses.output_items import OutputItems
 from kvtide.server.openai.responses.store import ResponseStore
 from kvtide.tool_parsers import get_tool_parser
@@ -266,8 +267,8 @@ def test_previous_response_id_continues_the_conversation(tools_client):
         tools_client.responses.retrieve(unstored.id)
 
 
-def test_storage_can_be_disabled(no_store_server):
-    client = openai.OpenAI(base_url=no_store_server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=60.0)
+def test_storage_can_be_disabled(openai_client):
+    client = openai_client  # the `server` fixture runs with --disable-response-storage
     response = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
     assert response.store is False
     with pytest.raises(openai.NotFoundError):
@@ -314,3 +315,13 @@ def test_unknown_ids_are_404(tools_server):
     with tools_server.client() as client:
         check_error(client.get("/v1/responses/resp_nope"), 404)
         check_error(client.delete("/v1/responses/resp_nope"), 404)
+
+
+def test_tools_without_a_choice_need_the_servers_parser(openai_client):
+    # As on chat: tools alone mean tool_choice "auto", which needs --tool-call-parser; named works.
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.responses.create(model=MODEL_NAME, input="x", tools=TOOLS, max_output_tokens=4)
+    assert info.value.body["param"] == "tool_choice" and info.value.body["message"] == AUTO_NEEDS_FLAGS
+    response = openai_client.responses.create(model=MODEL_NAME, input="x", tools=TOOLS, max_output_tokens=60,
+                                              tool_choice={"type": "function", "name": "get_weather"})
+    assert [item.type for item in response.output] == ["function_call"]
