@@ -34,6 +34,7 @@ from kvtide.engine.async_llm import AsyncLLM
 from kvtide.engine.core_client import EngineDeadError, SpawnedEngineCore
 from kvtide.engine.dp_client import merge_stats
 from kvtide.server.admin import AdminGate
+from kvtide.server.anthropic.api_router import router as anthropic_router
 from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, install_exception_handlers
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,6 +43,7 @@ from kvtide.server.openai.chat_completions.api_router import router as chat_rout
 from kvtide.server.openai.completions.api_router import router as completions_router
 from kvtide.server.openai.lora.api_router import router as lora_router
 from kvtide.server.openai.lora.modules import LoRAModules
+from kvtide.server.openai.responses.api_router import router as responses_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
@@ -65,6 +67,8 @@ def build_app(state: ServerState) -> Any:
     app.include_router(chat_router)
     app.include_router(tokenize_router)
     app.include_router(lora_router)
+    app.include_router(responses_router)
+    app.include_router(anthropic_router)
     app.include_router(websocket_router)
 
     @app.get("/health")

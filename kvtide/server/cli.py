@@ -120,6 +120,9 @@ def register(subparsers) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="the model's reasoning format: chat responses carry the <think> section as "
                         "reasoning_content, and structured output constrains only the answer after it")
+    p.add_argument("--disable-response-storage", action="store_true",
+                   help="keep no /v1/responses answers in memory (store: true is then ignored, GET "
+                        "/v1/responses/{id} and previous_response_id find nothing)")
     p.add_argument("--headless", action="store_true",
                    help="serve no API: run this node's data-parallel replicas (--data-parallel-size-local "
                         "of them, from --data-parallel-start-rank) for the head at --data-parallel-address / "
@@ -193,6 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvtide.server").warning(
             "--enable-sleep-mode without --api-key: anyone who reaches this port can put the engine to sleep "
             "or load other weights")
+    settings.enable_response_storage = not args.disable_response_storage
     if settings.enable_admin_api and settings.api_key is None and settings.admin_api_key is None:
         logging.getLogger("kvtide.server").warning(
             "--enable-admin-api without --api-key: anyone who reaches this port can reset the prefix cache")

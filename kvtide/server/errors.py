@@ -97,7 +97,7 @@ def from_engine_error(error: BaseException) -> OpenAIError:
     return OpenAIError(f"internal error: {type(error).__name__}", 500, code="internal_error")
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request", 400)
@@ -138,7 +138,7 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:

@@ -16,6 +16,7 @@ from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
 from kvtide.server.openai.lora.modules import LoRAModules, LoRAModuleSpec
+from kvtide.server.openai.responses.store import ResponseStore
 from kvtide.server.output_parsers import OutputParsers
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class ServerSettings:
     """--lora-modules: adapters loaded at start, each served under its name."""
     allow_runtime_lora_updating: bool = False
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (else 404)."""
+    enable_response_storage: bool = True
+    """Keep /v1/responses answers asked to be stored (off: --disable-response-storage, and then
+    GET and previous_response_id find nothing)."""
 
 
 @dataclass
@@ -84,6 +88,8 @@ class ServerState:
     """The LoRA adapters served by name (server/openai/lora/modules.py)."""
     engine_serves_lora: bool = False
     """The engine was started with --enable-lora."""
+    response_store: ResponseStore = field(default_factory=ResponseStore)
+    """/v1/responses answers kept for GET and previous_response_id (openai/responses/store.py)."""
 
     @property
     def model_name(self) -> str:

@@ -16,7 +16,8 @@ from serve_helpers import API_KEY, pid_alive, start_server, wait_ready
 LONG_MODEL_LEN = "2048"
 # --max-num-seqs also bounds the CPU KV cache these servers allocate (max_num_seqs * max_model_len).
 SERVER_FLAGS = {
-    "server": ["--max-num-seqs", "40", "--enable-admin-api"],
+    # Its /v1/responses keeps nothing (test_responses_api.py): one server fewer than a dedicated one.
+    "server": ["--max-num-seqs", "40", "--enable-admin-api", "--disable-response-storage"],
     # Schedules each step while the one before runs: draining and aborts must hold there too.
     "drain_server": ["--max-model-len", LONG_MODEL_LEN, "--max-num-seqs", "4", "--shutdown-timeout", "120",
                      "--async-scheduling"],
