@@ -108,7 +108,10 @@ class BatchRunner:
                     if self._cancelled:
                         self.semaphore.release()
                         break
-                    pending.append(asyncio.ensure_future(self._answer(line)))
+                    task = asyncio.ensure_future(self._answer(line))
+                    # Released however the task ends: one cancelled before it started runs no finally.
+                    task.add_done_callback(lambda _: self.semaphore.release())
+                    pending.append(task)
                 flush()
             while pending:
                 await asyncio.wait([pending[0]])
@@ -119,22 +122,19 @@ class BatchRunner:
         return counts
 
     async def _answer(self, line: BatchLine) -> dict[str, Any]:
+        assert line.url is not None and line.body is not None
+        body = line.body if self.priority is None else {**line.body, "priority": self.priority}
         try:
-            assert line.url is not None and line.body is not None
-            body = line.body if self.priority is None else {**line.body, "priority": self.priority}
-            try:
-                status, raw = await call_route(self.app, line.url, json.dumps(body).encode("utf-8"))
-            except Exception as e:  # a route that raised past its error handlers: this line fails alone
-                return error_record(line.custom_id, LineError("internal_error", f"internal error: "
-                                                              f"{type(e).__name__}", 500))
-            try:
-                answer = json.loads(raw) if raw else {}
-            except ValueError:
-                return error_record(line.custom_id, LineError("invalid_response", raw.decode("utf-8", "replace"),
-                                                              status))
-            return result_record(line.custom_id, status, answer)
-        finally:
-            self.semaphore.release()
+            status, raw = await call_route(self.app, line.url, json.dumps(body).encode("utf-8"))
+        except Exception as e:  # a route that raised past its error handlers: this line fails alone
+            return error_record(line.custom_id, LineError("internal_error", f"internal error: {type(e).__name__}",
+                                                          500))
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            return error_record(line.custom_id, LineError("invalid_response", raw.decode("utf-8", "replace"),
+                                                          status))
+        return result_record(line.custom_id, status, answer)
 
 
 async def call_route(app: Any, path: str, body: bytes) -> tuple[int, bytes]:

@@ -14,6 +14,7 @@ from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
+from kvtide.server.openai.batches.settings import BatchSettings
 from kvtide.server.output_parsers import OutputParsers
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class ServerSettings:
     ("*": any); see server/browser_policy.py."""
     allowed_hosts: list[str] | None = None
     """Host header names accepted (None: any); `kvtide serve` bound to loopback: loopback names."""
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    """/v1/files and /v1/batches: where files live, their limits, batch lines in flight."""
 
 
 @dataclass
