@@ -82,6 +82,9 @@ class FileStore:
         self.max_lines = max_lines
         self._records: dict[str, FileRecord] = {}
         for name in os.listdir(self.directory):
+            if name.startswith((".new-", ".tmp-")):  # left by a server that stopped mid-write
+                os.unlink(os.path.join(self.directory, name))
+                continue
             stem, ext = os.path.splitext(name)
             if ext == ".json" and _FILE_ID.fullmatch(stem) and os.path.exists(self._data_path(stem)):
                 with open(os.path.join(self.directory, name), encoding="utf-8") as f:
