@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from batch_lines import Expected, chat_body, check_record, completion_body
-from serve_helpers import API_KEY, MODEL_NAME, launch_server, pid_alive
+from serve_helpers import API_KEY, MODEL_NAME, launch_server, pid_alive, wait_idle
 
 MAX_FILE_BYTES = 16 * 1024
 QUESTIONS = ["what holds the keys?", "name a river", "count to three", "why blocks", "seven lattice", "harbor"]
@@ -103,7 +103,7 @@ def test_batch_round_trip(client, batch_server, llama_dir):
         client.files.retrieve(uploaded.id)
 
 
-def test_cancel_stops_a_running_batch(client):
+def test_cancel_stops_a_running_batch(client, batch_server):
     items = [{"custom_id": f"long{i}", "method": "POST", "url": "/v1/completions",
               "body": {**completion_body(MODEL_NAME, f"story {i}"), "max_tokens": 400}} for i in range(40)]
     uploaded = client.files.create(file=("long.jsonl", _jsonl(items)), purpose="batch")
@@ -117,6 +117,7 @@ def test_cancel_stops_a_running_batch(client):
     if batch.output_file_id is not None:
         assert len(client.files.content(batch.output_file_id).text.splitlines()) == counts.completed
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: nothing changes
+    wait_idle(batch_server)  # the lines in flight were aborted in the engine, not left running
 
 
 def test_bad_input(client):
