@@ -79,7 +79,7 @@ async def delete_file(file_id: str, raw_request: Request) -> Response:
 @router.post("/v1/batches")
 async def create_batch(request: CreateBatchRequest, raw_request: Request) -> Response:
     try:
-        return JSONResponse(batch_service(raw_request).create_batch(
+        return JSONResponse(await batch_service(raw_request).create_batch(
             request.input_file_id, request.endpoint, request.completion_window, request.metadata))
     except Exception as e:
         return _error(e)

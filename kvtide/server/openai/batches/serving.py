@@ -70,8 +70,8 @@ class BatchService:
         self._tasks: set[asyncio.Task] = set()
 
     # ---- batches ------------------------------------------------------------------------
-    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> dict[str, Any]:
+    async def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                           metadata: dict[str, str] | None) -> dict[str, Any]:
         if endpoint not in BATCH_URLS:
             raise OpenAIError(f"endpoint must be one of {', '.join(BATCH_URLS)}, got {endpoint!r}", 400,
                               param="endpoint")
@@ -88,6 +88,7 @@ class BatchService:
         if input_file.purpose != UPLOAD_PURPOSE:
             raise OpenAIError(f"input_file_id: {input_file_id} has purpose {input_file.purpose!r}, not "
                               f"{UPLOAD_PURPOSE!r}", 400, param="input_file_id")
+        num_lines = await asyncio.to_thread(_count_lines, input_path)  # up to --max-batch-file-bytes of it
         now = int(time.time())
         batch: dict[str, Any] = {
             "id": self.batches.new_id(), "object": "batch", "endpoint": endpoint, "errors": None,
@@ -95,7 +96,7 @@ class BatchService:
             "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
             "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": sum(1 for _ in read_lines(input_path)), "completed": 0, "failed": 0},
+            "request_counts": {"total": num_lines, "completed": 0, "failed": 0},
             "metadata": metadata}
         self.batches.save(batch)
         runner = BatchRunner(self.app, self.settings.max_concurrency, BATCH_PRIORITY, self._semaphore)
@@ -203,3 +204,9 @@ class BatchService:
 
     def list_files(self, purpose: str | None) -> dict[str, Any]:
         return {"object": "list", "data": [r.as_dict() for r in self.files.list(purpose)], "has_more": False}
+
+
+def _count_lines(path: str) -> int:
+    """The requests in a batch input file: its non-blank lines."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
