@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass
 
-from hf_reference import hf_greedy, hf_model_and_tokenizer, random_prompts
+# tests/models' HF reference helpers, imported by module name as the other folders share theirs.
+_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+if _MODELS not in sys.path:
+    sys.path.insert(0, _MODELS)
+
+from hf_reference import hf_greedy, hf_model_and_tokenizer, random_prompts  # noqa: E402
 
 MAX_TOKENS = 12
+ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8"]
+"""run-batch's small engine: the CPU KV cache it allocates is bounded by max_num_seqs * max_model_len."""
+MAX_BATCH_FILE_BYTES = 16 * 1024
+"""--max-batch-file-bytes of the test server."""
 COMPLETION_PROMPTS = random_prompts(8, seed=11, max_words=10)
 CHAT_QUESTIONS = ["what holds the keys?", "name a river", "count to three", "why blocks"]
 

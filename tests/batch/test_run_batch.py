@@ -15,8 +15,7 @@ import subprocess
 import sys
 import time
 
-from batch_lines import check_record, make_batch
-from conftest import ENGINE_FLAGS
+from batch_lines import ENGINE_FLAGS, check_record, make_batch
 
 KILL_AFTER_LINES = 40
 

@@ -13,23 +13,11 @@ import time
 import httpx
 import openai
 import pytest
+from batch_lines import MAX_BATCH_FILE_BYTES as MAX_FILE_BYTES
 from batch_lines import Expected, chat_body, check_record, completion_body
-from serve_helpers import API_KEY, MODEL_NAME, launch_server, pid_alive, wait_idle
+from serve_helpers import API_KEY, MODEL_NAME, wait_idle
 
-MAX_FILE_BYTES = 16 * 1024
 QUESTIONS = ["what holds the keys?", "name a river", "count to three", "why blocks", "seven lattice", "harbor"]
-
-
-@pytest.fixture(scope="module")
-def batch_server(llama_dir, tmp_path_factory):
-    handle = launch_server(llama_dir, "--batch-dir", str(tmp_path_factory.mktemp("batches")),
-                           "--max-batch-file-bytes", str(MAX_FILE_BYTES), "--max-batch-file-lines", "64",
-                           "--scheduling-policy", "priority", "--max-batch-concurrency", "4", "--max-num-seqs", "8")
-    try:
-        yield handle
-    finally:
-        assert handle.stop() == 0, handle.log()[-3000:]
-        assert handle.engine_pid is not None and not pid_alive(handle.engine_pid)
 
 
 @pytest.fixture(scope="module")
