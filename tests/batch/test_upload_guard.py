@@ -66,3 +66,19 @@ def test_upload_refusals(app_client):
     r = app_client.post("/v1/batches", json={"input_file_id": "file-" + "0" * 24, "endpoint": "/v1/completions"},
                         headers=KEY)
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
+
+
+def test_serve_flags():
+    from kvtide.cli import build_parser
+    from kvtide.server.openai.batches.settings import batch_settings_from_args
+
+    def settings(*flags: str) -> BatchSettings:
+        return batch_settings_from_args(build_parser("serve").parse_args(["serve", "demo", *flags]))
+
+    assert settings() == BatchSettings()
+    got = settings("--batch-dir", "/srv/b", "--max-batch-file-bytes", "2MiB", "--max-batch-file-lines", "9",
+                   "--max-batch-concurrency", "3")
+    assert got == BatchSettings(directory="/srv/b", max_file_bytes=2 * 1024 * 1024, max_file_lines=9, max_concurrency=3)
+    for bad in (["--max-batch-concurrency", "0"], ["--max-batch-file-lines", "0"], ["--max-batch-file-bytes", "lots"]):
+        with pytest.raises(ValueError, match=bad[0]):
+            settings(*bad)
