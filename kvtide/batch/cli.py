@@ -23,6 +23,10 @@ from typing import Any
 from kvtide.batch.file_format import count_results, dump_record, read_lines
 from kvtide.engine_args import EngineArgs
 
+RENDER_TIMEOUT_S = 60.0
+"""Seconds a line's chat template may render and its prompt wait for the tokenizer (the server's
+--render-timeout, which guards interactive latency, is 2 s)."""
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline",
@@ -67,6 +71,7 @@ async def _run(engine_args: EngineArgs, args: argparse.Namespace, chat_template:
     from kvtide.batch.runner import BatchRunner
     from kvtide.engine.async_llm import AsyncLLM
     from kvtide.server.api_server import build_app
+    from kvtide.server.limits import RequestLimits
     from kvtide.server.metrics import ServerMetrics
     from kvtide.server.output_parsers import OutputParsers
     from kvtide.server.state import ServerSettings, ServerState
@@ -75,7 +80,10 @@ async def _run(engine_args: EngineArgs, args: argparse.Namespace, chat_template:
     metrics = ServerMetrics(names[0])
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger=metrics)
     try:
-        settings = ServerSettings(served_model_names=names, chat_template=chat_template, enable_ui=False)
+        # Offline, a line may wait longer for the tokenizer than an interactive client would.
+        limits = RequestLimits(render_timeout_s=RENDER_TIMEOUT_S)
+        settings = ServerSettings(served_model_names=names, chat_template=chat_template, enable_ui=False,
+                                  request_limits=limits)
         state = ServerState(engine=engine, settings=settings, metrics=metrics,
                             parsers=OutputParsers.create(engine.tokenizer, None, False, None))
         runner = BatchRunner(build_app(state), max_concurrency=concurrency)

@@ -23,6 +23,11 @@ from kvtide.batch.file_format import BatchLine, LineError, duplicate_error, erro
 BATCH_PRIORITY = 1_000_000
 """The engine priority of a /v1/batches line: under --scheduling-policy priority, lower values go
 first, and interactive requests default to 0."""
+RETRYABLE = frozenset({(429, "queue_full"), (503, "timeout")})
+"""(status, error code) of answers that say "busy, try again" (the engine's waiting queue is full,
+the tokenizer is backed up): a batch line is retried rather than failed."""
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Waits before each retry of a busy answer; the last busy answer is the line's result."""
 
 
 @dataclass
@@ -124,17 +129,27 @@ class BatchRunner:
     async def _answer(self, line: BatchLine) -> dict[str, Any]:
         assert line.url is not None and line.body is not None
         body = line.body if self.priority is None else {**line.body, "priority": self.priority}
-        try:
-            status, raw = await call_route(self.app, line.url, json.dumps(body).encode("utf-8"))
-        except Exception as e:  # a route that raised past its error handlers: this line fails alone
-            return error_record(line.custom_id, LineError("internal_error", f"internal error: {type(e).__name__}",
-                                                          500))
-        try:
-            answer = json.loads(raw) if raw else {}
-        except ValueError:
-            return error_record(line.custom_id, LineError("invalid_response", raw.decode("utf-8", "replace"),
-                                                          status))
+        payload = json.dumps(body).encode("utf-8")
+        for delay in (*RETRY_DELAYS_S, None):
+            try:
+                status, raw = await call_route(self.app, line.url, payload)
+            except Exception as e:  # a route that raised past its error handlers: this line fails alone
+                return error_record(line.custom_id, LineError("internal_error",
+                                                              f"internal error: {type(e).__name__}", 500))
+            try:
+                answer = json.loads(raw) if raw else {}
+            except ValueError:
+                return error_record(line.custom_id, LineError("invalid_response", raw.decode("utf-8", "replace"),
+                                                              status))
+            if delay is None or (status, _error_code(answer)) not in RETRYABLE:
+                break
+            await asyncio.sleep(delay)
         return result_record(line.custom_id, status, answer)
+
+
+def _error_code(answer: Any) -> str | None:
+    error = answer.get("error") if isinstance(answer, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 async def call_route(app: Any, path: str, body: bytes) -> tuple[int, bytes]:

@@ -89,3 +89,39 @@ def test_cancel_releases_the_shared_cap():
         assert other.max_in_flight == 2 and app.in_flight == 0
 
     asyncio.run(scenario())
+
+
+class BusyApp:
+    """Answers body["busy"] times with `status`/`code`, then 200."""
+
+    def __init__(self, status: int, code: str) -> None:
+        self.status, self.code = status, code
+        self.calls = collections.Counter()
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = json.loads((await receive())["body"])
+        self.calls[body["n"]] += 1
+        busy = self.calls[body["n"]] <= body["busy"]
+        payload = {"error": {"message": "busy", "code": self.code}} if busy else {"id": "ok"}
+        await send({"type": "http.response.start", "status": self.status if busy else 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+
+def _busy_lines(busy: list[int]):
+    return [parse_line(json.dumps({"custom_id": f"c{n}", "url": "/v1/completions", "body": {"n": n, "busy": b}}),
+                       n + 1) for n, b in enumerate(busy)]
+
+
+def test_busy_answers_are_retried_and_others_not(monkeypatch):
+    import kvtide.batch.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    for status, code in ((429, "queue_full"), (503, "timeout")):
+        app, records = BusyApp(status, code), []
+        asyncio.run(BatchRunner(app, max_concurrency=2).run(_busy_lines([0, 2, 3, 9]), records.append))
+        assert [r["error"] is None for r in records] == [True, True, True, False]
+        assert [app.calls[n] for n in range(4)] == [1, 3, 4, 4]  # the last busy answer is the result
+        assert records[3]["response"]["status_code"] == status
+    app, records = BusyApp(503, "engine_dead"), []
+    asyncio.run(BatchRunner(app, max_concurrency=2).run(_busy_lines([1]), records.append))
+    assert app.calls[0] == 1 and records[0]["error"]["code"] == "engine_dead"
