@@ -15,6 +15,7 @@ from kvtide.engine_args import EngineArgs
 
 _SUBCOMMAND_MODULES = {"chat": "kvtide.chat.cli", "serve": "kvtide.server.cli", "bench": "kvtide.bench.cli",
                        "router": "kvtide.router.cli"}
+_SUBCOMMAND_MODULES["run-batch"] = "kvtide.batch.cli"  # an OpenAI batch file, offline
 
 
 def register_generate(subparsers) -> None:

@@ -39,6 +39,7 @@ from kvtide.server.errors import RETRY_AFTER_S, OpenAIError, error_response, ins
 from kvtide.server.limits import MAX_HEADER_BYTES
 from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
+from kvtide.server.openai.batches.api_router import router as batches_router
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
 from kvtide.server.openai.lora.api_router import router as lora_router
@@ -70,6 +71,7 @@ def build_app(state: ServerState) -> Any:
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(websocket_router)
+    app.include_router(batches_router)
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:

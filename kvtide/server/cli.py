@@ -41,6 +41,7 @@ from kvtide.engine_args import EngineArgs
 from kvtide.reasoning import REASONING_PARSERS
 from kvtide.server import limits
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY
+from kvtide.server.openai.batches.settings import add_batch_args, batch_settings_from_args
 from kvtide.server.output_parsers import check_flags
 from kvtide.sizes import parse_size
 from kvtide.tool_parsers import TOOL_PARSERS
@@ -135,6 +136,7 @@ def register(subparsers) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; needs --enable-lora)")
+    add_batch_args(p)
     EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
 
@@ -168,6 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(args.chat_template)
     request_limits = _request_limits(args, max_body)
     allowed_origins, allowed_hosts = _browser_flags(args)
+    batch_settings = batch_settings_from_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("KVTIDE_LOG_LEVEL", args.log_level.upper())
@@ -188,6 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                                   allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
                                   lora_modules=lora_modules, allow_runtime_lora_updating=allow_lora_updates)
+        settings.batch = batch_settings
     except BaseException:
         if spawned is not None:
             spawned.kill()

@@ -26,6 +26,10 @@ handshake: a page that may not drive the server learns nothing more. Any other r
 1013 (try again later) while draining or dead, 1008 (policy) for a missing or wrong key or
 oversized headers. Accepted, it counts as in flight until it closes.
 
+File uploads (POST /v1/files, UPLOAD_PATHS) are the one exception to JSON: multipart/form-data,
+up to --max-batch-file-bytes (plus the form's own bytes; over it a 400) instead of --max-request-body; the Origin
+check above is what keeps pages from posting them cross-origin.
+
 The body is read here, up to --max-request-body bytes (Content-Length is checked first, then the
 bytes actually received), and replayed to the app; after it, `receive` is the server's again, so
 the app still sees http.disconnect.
@@ -69,6 +73,8 @@ QUOTA_EXEMPT_PATHS = ("/health", "/metrics", "/")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 """Methods a page's request may use from any Origin (they change nothing, and without CORS headers
 the page cannot read the answer)."""
+UPLOAD_PATHS = ("/v1/files",)
+"""POST paths that take a multipart/form-data upload (checked by the route) within the batch file limit."""
 MAX_LOGGED_REFUSALS = 64
 """Distinct refused Hosts and Origins logged (each once): a hostile page cannot flood the log."""
 
@@ -101,16 +107,17 @@ class ServerGuardMiddleware:
             # always says which page sent it.
             error = self._check_origin(scope)
         error = error or self._check_headers(scope)
-        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+        upload = _is_upload(scope)
+        if error is None and scope["method"] in ("POST", "PUT", "PATCH") and not upload:
             error = _check_content_type(scope)
         if error is not None:
             await send_error(send, error)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             try:
-                body = await _read_body(receive, self.state.settings.max_request_body)
+                body = await _read_body(receive, self._body_limit(scope))
             except _BodyTooLarge:
-                await send_error(send, _too_large(self.state.settings.max_request_body))
+                await send_error(send, self._too_large(scope))
                 return
             except _ClientGone:
                 return
@@ -118,7 +125,8 @@ class ServerGuardMiddleware:
                 await send_error(send, _not_json(None))
                 return
             receive = _replay(body, receive)
-            scope = _as_json(scope)
+            if not upload:
+                scope = _as_json(scope)
         counted = scope["path"] not in UNCOUNTED_PATHS
         if counted:
             self.state.num_inflight += 1
@@ -190,9 +198,21 @@ class ServerGuardMiddleware:
                 size = int(length)
             except ValueError:
                 return OpenAIError("Content-Length is not an integer", 400, code="invalid_body")
-            if size > self.state.settings.max_request_body:
-                return _too_large(self.state.settings.max_request_body)
+            if size > self._body_limit(scope):
+                return self._too_large(scope)
         return None
+
+    def _body_limit(self, scope: Scope) -> int:
+        if _is_upload(scope):
+            return self.state.settings.batch.max_upload_body
+        return self.state.settings.max_request_body
+
+    def _too_large(self, scope: Scope) -> OpenAIError:
+        if _is_upload(scope):
+            # 400, as the store answers a file over the limit that fits in the slack.
+            return OpenAIError(f"file: over this server's limit of {self.state.settings.batch.max_file_bytes} "
+                               f"bytes (--max-batch-file-bytes)", 400, param="file", code="file_too_large")
+        return _too_large(self.state.settings.max_request_body)
 
     def _is_ui_page(self, scope: Scope) -> bool:
         return (self.state.settings.enable_ui and scope["type"] == "http"
@@ -219,6 +239,10 @@ class ServerGuardMiddleware:
 def _authorized(headers: dict[str, bytes], api_key: str) -> bool:
     # Constant time in the key's content: a timing side channel must not reveal a prefix.
     return hmac.compare_digest(api_key_from_headers(headers), api_key.encode())
+
+
+def _is_upload(scope: Scope) -> bool:
+    return scope["method"] == "POST" and scope["path"] in UPLOAD_PATHS
 
 
 def _too_large(limit: int) -> OpenAIError:

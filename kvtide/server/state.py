@@ -15,6 +15,7 @@ from kvtide.engine.core_client import DEFAULT_ENGINE_TIMEOUT_S
 from kvtide.server.errors import OpenAIError
 from kvtide.server.limits import DEFAULT_MAX_REQUEST_BODY, RequestLimits
 from kvtide.server.metrics import ServerMetrics
+from kvtide.server.openai.batches.settings import BatchSettings
 from kvtide.server.openai.lora.modules import LoRAModules, LoRAModuleSpec
 from kvtide.server.openai.responses.store import ResponseStore
 from kvtide.server.output_parsers import OutputParsers
@@ -69,6 +70,8 @@ class ServerSettings:
     enable_response_storage: bool = True
     """Keep /v1/responses answers asked to be stored (off: --disable-response-storage, and then
     GET and previous_response_id find nothing)."""
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    """/v1/files and /v1/batches: where files live, their limits, batch lines in flight."""
 
 
 @dataclass
