@@ -57,6 +57,11 @@ class Backend(Protocol):
         """One continuation per prompt, run together; a failed call is returned as its exception."""
         ...
 
+    def generate_n(self, prompt: Prompt, op: Gen, n: int) -> list[GenResult]:
+        """n continuations of one prompt as one request (SamplingParams.n: the engine computes the
+        prompt once and forks its KV blocks; with a seed, continuation i samples with seed + i)."""
+        ...
+
     def score(self, prompt: Prompt, choices: list[str]) -> ScoreResult:
         """The logprobs of each choice's tokens continuing `prompt`, computed in one batch."""
         ...
@@ -64,7 +69,7 @@ class Backend(Protocol):
 
 def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -72,21 +72,32 @@ class Endpoint:
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             return list(pool.map(self._generate_one, prompts, ops))
 
+    def generate_n(self, prompt: Prompt, op: Gen, n: int) -> list[GenResult]:
+        response = self._post("/v1/completions", self._completion_body(prompt, op, n))
+        return [self._gen_result(choice, response) for choice in sorted(response["choices"], key=lambda c: c["index"])]
+
     def _generate_one(self, prompt: Prompt, op: Gen) -> GenResult | Exception:
         try:
-            op.sampling_params()
-            body: dict[str, Any] = {"prompt": prompt.text, "add_special_tokens": False, "max_tokens": op.max_tokens,
-                                    "temperature": op.temperature, "top_p": op.top_p, "top_k": op.top_k,
-                                    "stop": list(op.stop), "ignore_eos": op.ignore_eos}
-            if op.seed is not None:
-                body["seed"] = op.seed
-            constraint = op.structured_outputs()
-            if constraint is not None:
-                body["structured_outputs"] = {constraint.kind: getattr(constraint, constraint.kind)}
-            response = self._post("/v1/completions", body)
+            response = self._post("/v1/completions", self._completion_body(prompt, op, 1))
         except Exception as e:  # returned, to raise in the program that made the call
             return e
-        choice = response["choices"][0]
+        return self._gen_result(response["choices"][0], response)
+
+    @staticmethod
+    def _completion_body(prompt: Prompt, op: Gen, n: int) -> dict[str, Any]:
+        op.sampling_params()
+        body: dict[str, Any] = {"prompt": prompt.text, "n": n, "add_special_tokens": False,
+                                "max_tokens": op.max_tokens, "temperature": op.temperature, "top_p": op.top_p,
+                                "top_k": op.top_k, "stop": list(op.stop), "ignore_eos": op.ignore_eos}
+        if op.seed is not None:
+            body["seed"] = op.seed
+        constraint = op.structured_outputs()
+        if constraint is not None:
+            body["structured_outputs"] = {constraint.kind: getattr(constraint, constraint.kind)}
+        return body
+
+    @staticmethod
+    def _gen_result(choice: dict[str, Any], response: dict[str, Any]) -> GenResult:
         usage = response.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         meta = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
@@ -107,4 +118,4 @@ class Endpoint:
             entries = choice["prompt_logprobs"]
             token_logprobs.append([entries[j][str(ids[j])]["logprob"] for j in range(start, len(ids))])
         return ScoreResult(token_logprobs, {"prompt_tokens": [len(ids) for ids in full_ids],
-                                            "choice_token_ids": [ids[s:] for ids, s in zip(full_ids, starts)]})
+                                            "choice_token_ids": [ids[s:] for ids, s in zip(full_ids, starts, strict=True)]})

@@ -82,10 +82,17 @@ class Engine:
         self._run(calls)
         return [call.error if call.error is not None else self._gen_result(call) for call in calls]
 
-    def _gen_result(self, call: _Call) -> GenResult:
+    def generate_n(self, prompt: Prompt, op: Gen, n: int) -> list[GenResult]:
+        call = _Call(self.token_ids(prompt), op.sampling_params().clone(n=n))
+        self._run([call])
+        if call.error is not None:
+            raise call.error
+        return [self._gen_result(call, i) for i in range(n)]
+
+    def _gen_result(self, call: _Call, index: int = 0) -> GenResult:
         output = call.output
         assert output is not None
-        completion = output.outputs[0]
+        completion = next(c for c in output.outputs if c.index == index)
         ids = tuple(completion.token_ids)
         with self._tokenizer_lock:
             exact = self.tokenizer.decode(list(ids), skip_special_tokens=False) == completion.text
@@ -113,7 +120,7 @@ class Engine:
             entries = call.output.prompt_logprobs
             token_logprobs.append([entries[j][call.token_ids[j]].logprob for j in range(start, len(call.token_ids))])
         return ScoreResult(token_logprobs, {"prompt_tokens": [len(c.token_ids) for c in calls],
-                                            "choice_token_ids": [c.token_ids[s:] for c, s in zip(calls, starts)]})
+                                            "choice_token_ids": [c.token_ids[s:] for c, s in zip(calls, starts, strict=True)]})
 
     def _run(self, calls: list[_Call]) -> None:
         with self._queue_lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from kvtide.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -69,10 +69,10 @@ class Role:
     appends (so `assistant(gen(...))` generates the assistant's reply in place)."""
 
     role: str
-    content: tuple[Expr, ...] = field(default_factory=tuple)
+    content: tuple[str | Gen | Select, ...] = field(default_factory=tuple)
 
 
-Expr = Union[str, Gen, Select, Role]
+Expr = str | Gen | Select | Role
 
 
 def gen(name: str | None = None, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,

@@ -77,14 +77,22 @@ class ProgramState:
         self._set(op.name, op.choices[best], meta)
 
     def _run_role(self, op: Role) -> None:
-        begin, end = self._renderer.frame(self._messages, op.role)
-        self._append(begin)
-        start = len(self.text())
+        start = self._open_role(op.role)
         for part in op.content:
             self._run(part)
+        self._close_role(op.role, start)
+
+    def _open_role(self, role: str) -> int:
+        """Append the template's opening of a `role` message; return where its content starts."""
+        begin, _ = self._renderer.frame(self._messages, role)
+        self._append(begin)
+        return len(self.text())
+
+    def _close_role(self, role: str, start: int) -> None:
+        _, end = self._renderer.frame(self._messages, role)
         content = self.text()[start:]
         self._append(end)
-        self._messages.append({"role": op.role, "content": content})
+        self._messages.append({"role": role, "content": content})
 
     def _set(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is not None:
@@ -168,8 +176,10 @@ class ProgramState:
 
 
 class ForkGroup:
-    """The states of one `fork(n)`. `group += expr` runs expr on every fork, a `gen` as one batch
-    (with a seed, fork i samples with seed + i: the branches differ and the run reproduces)."""
+    """The states of one `fork(n)`. `group += expr` runs expr on every fork, a `gen` as one batch:
+    while the forks' texts are still equal, as one request of n continuations (SamplingParams.n), so
+    the engine computes the prompt once and forks its KV blocks copy-on-write. With a seed, fork i
+    samples with seed + i: the branches differ and the run reproduces."""
 
     def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
         self.states = states
@@ -186,12 +196,23 @@ class ForkGroup:
 
     def __iadd__(self, expr: Expr) -> ForkGroup:
         if isinstance(expr, Gen):
-            ops = [expr if expr.seed is None else replace(expr, seed=expr.seed + i) for i in range(len(self))]
-            results = self.parent.backend.generate([s.prompt() for s in self.states], ops)
-            for state, op, result in zip(self.states, ops, results, strict=True):
+            prompts = [s.prompt() for s in self.states]
+            if all(p == prompts[0] for p in prompts):
+                # One request of n continuations: the engine computes the shared prompt once.
+                results: list = self.parent.backend.generate_n(prompts[0], expr, len(self))
+            else:
+                ops = [expr if expr.seed is None else replace(expr, seed=expr.seed + i) for i in range(len(self))]
+                results = self.parent.backend.generate(prompts, ops)
+            for state, result in zip(self.states, results, strict=True):
                 if isinstance(result, Exception):
                     raise result
-                state._apply_gen(op, result)
+                state._apply_gen(expr, result)
+        elif isinstance(expr, Role):  # the content as group calls, so a gen in it is still one batch
+            starts = [state._open_role(expr.role) for state in self.states]
+            for part in expr.content:
+                self += part
+            for state, start in zip(self.states, starts, strict=True):
+                state._close_role(expr.role, start)
         else:
             for state in self.states:
                 state += expr
