@@ -33,7 +33,8 @@ class GenResult:
     text: str
     token_ids: tuple[int, ...] | None
     """The generated tokens when they decode to exactly `text` (None: the text is re-tokenized with
-    what follows it; e.g. a stop string cut the text inside a token)."""
+    what follows it; e.g. a stop string cut the text inside a token, or the tokens end inside a
+    character)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """prompt_tokens, completion_tokens, cached_tokens (prompt tokens the prefix cache served),
     finish_reason."""

@@ -94,8 +94,12 @@ class Engine:
         assert output is not None
         completion = next(c for c in output.outputs if c.index == index)
         ids = tuple(completion.token_ids)
+        # The tokens stand for the text only if they decode to it and hold no partial character (a
+        # U+FFFD in the text): otherwise the state's text is what the next call sees, re-tokenized,
+        # as a server backend (which returns only text) would see it too.
         with self._tokenizer_lock:
-            exact = self.tokenizer.decode(list(ids), skip_special_tokens=False) == completion.text
+            exact = ("\ufffd" not in completion.text
+                     and self.tokenizer.decode(list(ids), skip_special_tokens=False) == completion.text)
         meta = {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(ids),
                 "cached_tokens": output.num_cached_tokens, "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason, "token_ids": list(ids)}
