@@ -184,6 +184,7 @@ class ForkGroup:
     def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
         self.states = states
         self.parent = parent
+        self._num_pieces_at_fork = len(parent._pieces)
 
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)
@@ -232,8 +233,7 @@ class ForkGroup:
             holders = [s for s in self.states if name in s._own]
             parent._set(name, [s._variables[name] for s in holders], {"forks": [s._meta[name] for s in holders]})
         if mode == "concate_and_append":
-            start = len(parent._pieces)
             for state in self.states:
-                for piece in state._pieces[start:]:
+                for piece in state._pieces[self._num_pieces_at_fork:]:
                     parent._append(*piece)
         parent._fork_groups.remove(self)
