@@ -35,6 +35,17 @@ def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
 
 
+def assert_engine_idle(llm) -> None:
+    """No request left running or waiting and no KV block held: every call's blocks went back."""
+    stats = llm.engine.core.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+    llm.engine.core.check_integrity()
+
+
+def tokens_computed(llm) -> int:
+    return llm.engine.core.get_stats().iteration_tokens["sum"]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -164,12 +175,18 @@ def test_fork_group_gen_is_one_request_of_n(llm, backend):
         s += kl.user("Pick one.")
         forks.join()
 
+    llm.reset_prefix_cache()
+    before = tokens_computed(llm)
     state = grouped.run(backend=backend)
+    computed = tokens_computed(llm) - before
     reference = llm.chat([{"role": "user", "content": QUESTION}],
                          SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     ideas = [c.text for c in sorted(reference.outputs, key=lambda c: c.index)]
     assert state["idea"] == ideas  # joined: the forks' values in fork order
     assert len(set(ideas)) == 3
+    # The prompt was computed once (the engine forked its blocks), then each fork decoded.
+    prompt_tokens = len(reference.prompt_token_ids)
+    assert prompt_tokens <= computed <= prompt_tokens + 3 * MAX_TOKENS < 2 * prompt_tokens
     assert state.messages()[-1] == {"role": "user", "content": "Pick one."}
 
 
@@ -193,7 +210,7 @@ def test_constraints_hold(backend):
     assert set(record) == {"n"} and 0 <= record["n"] <= 99
 
 
-def test_a_failing_call_raises_in_the_program(backend):
+def test_a_failing_call_raises_in_the_program(llm, backend):
     reached = []
 
     @kl.function
@@ -210,9 +227,10 @@ def test_a_failing_call_raises_in_the_program(backend):
     assert "bad" not in state and len(state.get_meta_info("good")["token_ids"]) == 4
     with pytest.raises(ValueError):
         constrained.run("([a-z", backend=backend)
+    assert_engine_idle(llm)
 
 
-def test_run_batch_keeps_order_and_errors_per_program(backend):
+def test_run_batch_keeps_order_and_errors_per_program(llm, backend):
     regexes = [r"[0-9]{3}-[a-z]{2}", r"[a-c]{4}", r"(x|y)+z", "([a-z", r"[0-9]{2}", r"ab?c", r"q{3}", r"[A-Z]{2}"]
     states = constrained.run_batch([{"regex": r} for r in regexes], backend=backend, num_threads=4,
                                    progress_bar=True)
@@ -224,3 +242,4 @@ def test_run_batch_keeps_order_and_errors_per_program(backend):
         assert state.error is None
         assert re.fullmatch(regex, state["code"])
         assert state.text() == constrained.run(regex, backend=backend).text()  # as if run alone
+    assert_engine_idle(llm)
