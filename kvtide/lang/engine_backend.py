@@ -106,15 +106,23 @@ class Engine:
         return GenResult(completion.text, ids if exact else None, meta)
 
     def score(self, prompt: Prompt, choices: list[str]) -> ScoreResult:
-        """Each choice appended to the prompt, all run as one batch of one-token requests that
-        return their prompts' logprobs (the prompt logprobs are computed for every position, so
-        these requests do not take their prefix from the cache)."""
+        """Each choice appended to the prompt, scored by one batch of one-token requests that return
+        their prompt logprobs from the choice's first token on (`prompt_logprobs_start`), so the
+        prefix cache serves the shared prefix. A one-token request for the prompt alone goes first
+        (as SGLang's select does) and caches what earlier calls left uncomputed; only each choice's
+        tokens and the prompt's last partial block are then computed per choice."""
         prefix_ids = self.token_ids(prompt)
         calls, starts = [], []
         for choice in choices:
             full_ids = self.token_ids(prompt.extended(choice))
-            starts.append(choice_token_span(prefix_ids, full_ids, choice))
-            calls.append(_Call(full_ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)))
+            start = choice_token_span(prefix_ids, full_ids, choice)
+            starts.append(start)
+            calls.append(_Call(full_ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                                        prompt_logprobs_start=start)))
+        warm = _Call(prefix_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        self._run([warm])
+        if warm.error is not None:
+            raise warm.error
         self._run(calls)
         token_logprobs = []
         for call, start in zip(calls, starts, strict=True):
@@ -123,8 +131,10 @@ class Engine:
             assert call.output is not None and call.output.prompt_logprobs is not None
             entries = call.output.prompt_logprobs
             token_logprobs.append([entries[j][call.token_ids[j]].logprob for j in range(start, len(call.token_ids))])
-        return ScoreResult(token_logprobs, {"prompt_tokens": [len(c.token_ids) for c in calls],
-                                            "choice_token_ids": [c.token_ids[s:] for c, s in zip(calls, starts, strict=True)]})
+        meta = {"prompt_tokens": [len(c.token_ids) for c in calls],
+                "cached_tokens": [c.output.num_cached_tokens for c in calls if c.output is not None],
+                "choice_token_ids": [c.token_ids[s:] for c, s in zip(calls, starts, strict=True)]}
+        return ScoreResult(token_logprobs, meta)
 
     def _run(self, calls: list[_Call]) -> None:
         with self._queue_lock:

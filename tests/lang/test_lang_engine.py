@@ -122,6 +122,9 @@ def test_select_is_the_argmax_of_hf_normalized_logprobs(llama_dir, llm, backend,
     assert meta["normalized_prompt_logprobs"] == pytest.approx(expected, abs=1e-4)
     assert [len(lps) for lps in meta["input_token_logprobs"]] == [len(c) for c in COLORS]  # one byte a token
     assert state["answer"] == COLORS[max(range(len(COLORS)), key=expected.__getitem__)]
+    # Scored over the cached prompt: each choice request took the prompt's full blocks from the cache.
+    num_prompt_tokens = len(llm.get_tokenizer().encode(prefix, add_special_tokens=False))
+    assert meta["cached_tokens"] == [cached_after(num_prompt_tokens + 1)] * len(COLORS)
     assert state.messages()[1] == {"role": "assistant", "content": state["answer"]}
     assert state.text().startswith(prefix + state["answer"] + "\n<|user|>Why?")
 
