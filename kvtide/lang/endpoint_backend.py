@@ -5,9 +5,10 @@
 - gen: `POST /v1/completions` with the state's text as the prompt and no special tokens added (the
   rendered template holds BOS), sampling and `structured_outputs` as the engine takes them; the
   server's prefix cache serves the state's prefix (`usage.prompt_tokens_details.cached_tokens`);
-- select: one `/v1/completions` request whose prompt is the list of state + choice texts, with
-  `prompt_logprobs` (vLLM's extension, which kvtide serves) and max_tokens 1; each choice's tokens
-  are those after the ones it shares with the state's own tokenization (`/tokenize`).
+- select: kvtide's `/v1/lang/score` extension, which scores every choice over the server's prefix
+  cache; on a server without it, one `/v1/completions` request whose prompt is the list of
+  state + choice texts, with `prompt_logprobs` and max_tokens 1 (each prompt computed in full);
+  each choice's tokens are those after the ones it shares with the state's own tokenization.
 
 Calls of a fork group go out concurrently, so the server batches them. An error response raises in
 the program: a 4xx refusal of the call (bad regex, prompt too long) as ValueError, anything else as
@@ -27,6 +28,10 @@ from kvtide.lang.ops import Gen
 
 class EndpointError(RuntimeError):
     """A server error that is not a refusal of the call itself (5xx, overload, a lost connection)."""
+
+
+class _NotFound(ValueError):
+    """404: a server without the route asked for."""
 
 
 class Endpoint:
@@ -52,8 +57,10 @@ class Endpoint:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text
+            if response.status_code == 404:
+                raise _NotFound(f"{path} (404): {message}")
             if 400 <= response.status_code < 500 and response.status_code not in (401, 403, 408, 429):
-                raise ValueError(f"{path}: {message}")
+                raise ValueError(f"{path} ({response.status_code}): {message}")
             raise EndpointError(f"{path} ({response.status_code}): {message}")
         return response.json()
 
@@ -106,6 +113,20 @@ class Endpoint:
         return GenResult(choice["text"], None, meta)
 
     def score(self, prompt: Prompt, choices: list[str]) -> ScoreResult:
+        """kvtide's `/v1/lang/score` (the prefix cache serves the state's prefix); a server without it
+        (404) is asked through `/v1/completions` with prompt_logprobs, which computes every prompt."""
+        try:
+            response = self._post("/v1/lang/score", {"prompt": prompt.text, "choices": choices,
+                                                     "add_special_tokens": False})
+        except _NotFound:
+            return self._score_by_completions(prompt, choices)
+        scored = sorted(response["choices"], key=lambda c: c["index"])
+        return ScoreResult([c["token_logprobs"] for c in scored],
+                           {"prompt_tokens": [c["prompt_tokens"] for c in scored],
+                            "cached_tokens": [c["cached_tokens"] for c in scored],
+                            "choice_token_ids": [c["token_ids"] for c in scored]})
+
+    def _score_by_completions(self, prompt: Prompt, choices: list[str]) -> ScoreResult:
         prefix_ids = self.encode(prompt.text)
         full_texts = [prompt.text + c for c in choices]
         full_ids = [self.encode(t) for t in full_texts]

@@ -40,6 +40,7 @@ from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.lang.api_router import router as lang_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
@@ -63,6 +64,7 @@ def build_app(state: ServerState) -> Any:
     app.include_router(chat_router)
     app.include_router(tokenize_router)
     app.include_router(websocket_router)
+    app.include_router(lang_router)  # kvtide.lang's choice scoring (/v1/lang/score)
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:

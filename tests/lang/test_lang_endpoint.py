@@ -63,13 +63,32 @@ def test_endpoint_runs_a_program_as_the_engine_does(endpoint, engine):
     assert remote.messages() == local.messages()
     assert remote.variables() == local.variables()
     assert re.fullmatch(r"[a-f]{2}[0-9]{2}", remote["code"])
-    assert (remote.get_meta_info("color")["normalized_prompt_logprobs"]
-            == pytest.approx(local.get_meta_info("color")["normalized_prompt_logprobs"], abs=1e-4))
+    remote_select, local_select = remote.get_meta_info("color"), local.get_meta_info("color")
+    assert remote_select["normalized_prompt_logprobs"] == pytest.approx(local_select["normalized_prompt_logprobs"],
+                                                                        abs=1e-4)
+    assert remote_select["choice_token_ids"] == local_select["choice_token_ids"]
+    # Both scored the choices over the cached prompt (kvtide's /v1/lang/score on the server).
+    assert remote_select["prompt_tokens"] == local_select["prompt_tokens"]
+    assert remote_select["cached_tokens"] == local_select["cached_tokens"]
+    assert min(remote_select["cached_tokens"]) >= 4 * BLOCK_SIZE
     # The server's prefix cache served what the program's earlier calls computed, as the engine's did.
     for name in ("idea0", "idea1", "code"):
         remote_meta, local_meta = remote.get_meta_info(name), local.get_meta_info(name)
         assert remote_meta["prompt_tokens"] == local_meta["prompt_tokens"]
         assert remote_meta["cached_tokens"] == local_meta["cached_tokens"] >= 4 * BLOCK_SIZE
+
+
+def test_score_extension_equals_scoring_by_completions_prompt_logprobs(endpoint, server):
+    prompt = kl.ProgramState(endpoint)
+    prompt += kl.user("Pick a color.")
+    prompt += "<|assistant|>"
+    extension = endpoint.score(prompt.prompt(), COLORS)
+    completions = endpoint._score_by_completions(prompt.prompt(), COLORS)  # a server without the extension
+    assert extension.meta["choice_token_ids"] == completions.meta["choice_token_ids"]
+    for ours, theirs in zip(extension.token_logprobs, completions.token_logprobs, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    response = server.client().post("/v1/lang/score", json={"prompt": "x", "choices": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "choices"
 
 
 def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint):
