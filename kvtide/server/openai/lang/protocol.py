@@ -6,18 +6,18 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kvtide.server.limits import MAX_STOP_STRING_CHARS
 from kvtide.server.openai.common import NonNegInt, OpenAIBaseModel
 
-MAX_SCORE_CHOICES = 256
+MAX_SCORE_CHOICES = 64
 """Choices scored by one request: each is one engine request."""
+MAX_CHOICE_CHARS = 1024
 
 
 class ScoreRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[NonNegInt], Field(min_length=1)]
     """Text (tokenized with add_special_tokens) or token ids: what the choices continue."""
-    choices: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+    choices: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
                        Field(min_length=1, max_length=MAX_SCORE_CHOICES)]
     add_special_tokens: bool = False
     """Add the tokenizer's special tokens (BOS) to a text prompt (a rendered chat template holds its own)."""
