@@ -189,6 +189,11 @@ class SamplingParams:
     logprobs: int | None = None
     """Top logprobs returned per generated token (the chosen one is always included)."""
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int | None = None
+    """With prompt_logprobs: the first prompt position whose logprob is wanted. The prefix cache may
+    then serve the prompt's full blocks before it (those positions come back as None), so scoring
+    continuations of a cached prefix computes only the continuations. None: every position, and the
+    prompt is computed in full."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -260,6 +265,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]", value)
+        if self.prompt_logprobs_start is not None and (
+                self.prompt_logprobs is None or not _is_int(self.prompt_logprobs_start)
+                or self.prompt_logprobs_start < 1):
+            raise bad("prompt_logprobs_start", "an integer >= 1, with prompt_logprobs set", self.prompt_logprobs_start)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

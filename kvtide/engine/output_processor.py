@@ -172,6 +172,9 @@ class OutputProcessor:
         return self.tokenizer.convert_ids_to_tokens(token_id)
 
     def _add_prompt_logprobs(self, state: RequestState, entries) -> None:
+        # Positions the prefix cache served (prompt_logprobs_start) have none: None, as position 0.
+        while len(state.prompt_logprobs) <= state.num_cached_tokens:  # type: ignore[arg-type]
+            state.prompt_logprobs.append(None)  # type: ignore[union-attr]
         for (lp, rank, top_ids, top_lps) in entries:
             position = len(state.prompt_logprobs)  # type: ignore[arg-type]
             token_id = state.prompt_token_ids[position]

@@ -177,10 +177,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks at the start of the request, and its length in
         tokens. At least the last token is always left to compute, so logits exist."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or _needs_whole_prompt(request):
             return [], 0
         self._update_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_tokens = request.num_tokens - 1
+        if request.sampling_params.prompt_logprobs is not None:  # the logits before the first wanted position
+            max_hit_tokens = min(max_hit_tokens, request.sampling_params.prompt_logprobs_start - 1)
+        max_hit_blocks = max_hit_tokens // self.block_size
         hits = self._longest_cached_chain(request.block_hashes[:max_hit_blocks])
         return hits, len(hits) * self.block_size
 
@@ -191,7 +194,7 @@ class KVCacheManager:
     def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a request's lookup once, when it is admitted: not each step it waits for blocks,
         nor its resume after a preemption."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None \
+        if not self.enable_caching or _needs_whole_prompt(request) \
                 or request.num_preemptions > 0 or self.group_id:
             return
         self.prefix_stats.requests += 1
@@ -456,3 +459,9 @@ class KVCacheManager:
             for b in blocks:
                 if isinstance(b, KVCacheBlock):
                     holders[b.block_id] = holders.get(b.block_id, 0) + 1
+
+
+def _needs_whole_prompt(request: Request) -> bool:
+    """Prompt logprobs of every position: the whole prompt is computed, none of it cached."""
+    params = request.sampling_params
+    return params.prompt_logprobs is not None and params.prompt_logprobs_start is None

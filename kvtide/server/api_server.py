@@ -42,6 +42,7 @@ from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.batches.api_router import router as batches_router
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.lang.api_router import router as lang_router
 from kvtide.server.openai.lora.api_router import router as lora_router
 from kvtide.server.openai.lora.modules import LoRAModules
 from kvtide.server.openai.responses.api_router import router as responses_router
@@ -72,6 +73,7 @@ def build_app(state: ServerState) -> Any:
     app.include_router(anthropic_router)
     app.include_router(websocket_router)
     app.include_router(batches_router)
+    app.include_router(lang_router)  # kvtide.lang's choice scoring (/v1/lang/score)
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
