@@ -67,7 +67,8 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-            processed = self.engine.input_processor.process_prompt(prompt)
+            processed = self.engine.input_processor.process_prompt(
+                prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
             self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
         ids: list[str] = []
         try:

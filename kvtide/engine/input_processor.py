@@ -48,10 +48,13 @@ class InputProcessor:
         """Constraint key -> None (parsed) or the parse error (refused again without parsing)."""
         self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
 
-    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """Tokenize and validate a prompt; with `truncate_prompt_tokens` keep its last k tokens
+        (-1: max_model_len - 1) before checking it fits, and its text becomes theirs."""
         text: str | None = None
         if isinstance(prompt, ProcessedPrompt):
-            return prompt
+            return self._truncate(prompt, truncate_prompt_tokens)
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, Mapping):
@@ -80,10 +83,25 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if truncate_prompt_tokens is not None and 0 < len(token_ids):
+            return self._truncate(ProcessedPrompt(text, self._check_token_ids(token_ids, check_length=False)),
+                                  truncate_prompt_tokens)
         token_ids = self._check_token_ids(token_ids)
         return ProcessedPrompt(text, token_ids)
 
-    def _check_token_ids(self, token_ids: Sequence[Any]) -> list[int]:
+    def _truncate(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
+        if keep is None:
+            return prompt
+        if not isinstance(keep, int) or isinstance(keep, bool) or (keep < 1 and keep != -1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's limit), got {keep!r}")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if len(prompt.prompt_token_ids) <= keep:
+            return ProcessedPrompt(prompt.prompt, self._check_token_ids(prompt.prompt_token_ids))
+        token_ids = self._check_token_ids(prompt.prompt_token_ids[-keep:])
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        return ProcessedPrompt(text, token_ids)
+
+    def _check_token_ids(self, token_ids: Sequence[Any], check_length: bool = True) -> list[int]:
         if len(token_ids) == 0:
             raise ValueError("prompt must not be empty (0 tokens)")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
@@ -91,7 +109,7 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if check_length and len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
         return list(token_ids)
@@ -104,6 +122,11 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        bad = [t for t in params.allowed_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if params.bad_words:
+            self.bad_words_token_ids(params.bad_words)
         if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         if params.structured_outputs is not None:
@@ -115,6 +138,23 @@ class InputProcessor:
                 raise ValueError(f"beam_width: {params.num_beams} beams need "
                                  f"{max(2, 1 + num_stop) * params.num_beams} candidates per step, more "
                                  f"than the vocabulary ({self.vocab_size})")
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequence as written after another word (with a leading space)
+        and as written alone (without), both refused: a tokenizer marks a word's start in its
+        first token, so either may be what the model emits."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        bad = [t for ids in sequences for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        return sequences
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """Parse the constraint now (a bad schema, regex or grammar is the caller's error, before
@@ -156,6 +196,8 @@ class InputProcessor:
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:
         self.check_params(params, len(prompt.prompt_token_ids))
         params = params.clone()
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         params.all_stop_token_ids = set(params.stop_token_ids or []) | \
             (set() if params.ignore_eos else set(self.eos_token_ids))
         arrival = arrival_time if arrival_time is not None else time.time()
