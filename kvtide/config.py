@@ -249,6 +249,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: Any = None
     """kvtide.disagg.config.KVTransferConfig, or None: the KV cache lives on the device only."""
+    logits_processors: tuple = ()
+    """Logits-processor classes or their 'module:Class' names, built once per runner (logits_processors/)."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

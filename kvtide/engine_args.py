@@ -160,6 +160,10 @@ class EngineArgs:
     nodes of a running Ray cluster); default: mp when a replica has more than one rank."""
     cpu_threads_per_rank: int | None = None
     """On CPU, torch threads each rank runs (default: the usable cores split evenly between ranks)."""
+    logits_processors: str | list | None = None
+    """Logits processors built once per engine (vLLM's interface, kvtide/logits_processors/): 'module:Class'
+    names, comma-separated (LLM: a list of names or classes); each request passes its arguments in
+    SamplingParams.extra_args (the server's vllm_xargs). Not with speculative decoding."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -322,6 +326,7 @@ class EngineArgs:
             kv_transfer_config=kv_transfer,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             parallel_config=parallel,
+            logits_processors=_logits_processor_specs(self.logits_processors, speculative),
         )
 
     def _resolve_kv_transfer(self, parallel, kv_policy: dict):
@@ -351,6 +356,18 @@ class EngineArgs:
 
     def replace(self, **kwargs) -> EngineArgs:
         return dataclasses.replace(self, **kwargs)
+
+
+def _logits_processor_specs(value: str | list | None, speculative) -> tuple:
+    """--logits-processors as a tuple of names and classes, each checked to import as one."""
+    from kvtide.logits_processors.loader import parse_specs, resolve_classes
+
+    specs = parse_specs(value)
+    resolve_classes(specs)
+    if specs and speculative is not None:
+        raise ValueError("--logits-processors does not combine with speculative decoding (drafts are "
+                         "verified without them); drop one of them")
+    return specs
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -36,6 +36,7 @@ from kvtide.engine.core_client import (
 from kvtide.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
+from kvtide.logits_processors.loader import parse_specs, resolve_classes
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
 
@@ -136,7 +137,10 @@ class AsyncLLM:
             await asyncio.gather(tokenizer_task, return_exceptions=True)
             raise
         try:
-            return cls(client, await tokenizer_task, stat_logger)
+            engine = cls(client, await tokenizer_task, stat_logger)
+            engine.input_processor.logits_processor_classes = resolve_classes(
+                parse_specs(getattr(engine_args, "logits_processors", None)))
+            return engine
         except BaseException:
             client.shutdown()
             raise

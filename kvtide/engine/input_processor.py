@@ -47,6 +47,8 @@ class InputProcessor:
         self._checked_constraints: OrderedDict[tuple, str | None] = OrderedDict()
         """Constraint key -> None (parsed) or the parse error (refused again without parsing)."""
         self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
+        self.logits_processor_classes: list[type] = []
+        """The engine's logits processors: each checks a request's arguments (validate_params)."""
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
@@ -127,6 +129,10 @@ class InputProcessor:
             raise ValueError(f"allowed_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
         if params.bad_words:
             self.bad_words_token_ids(params.bad_words)
+        if self.logits_processor_classes:
+            from kvtide.logits_processors.loader import validate_params
+
+            validate_params(self.logits_processor_classes, params)
         if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         if params.structured_outputs is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -56,6 +56,9 @@ class SamplingMetadata:
     """Any token filter, penalty, logit bias or min_tokens mask to apply."""
     max_num_logprobs: int | None
     """Largest `logprobs` asked for in the batch (None: no row wants logprobs)."""
+    logits_processors: Any = None
+    """The engine's logits processors for this step (logits_processors/batch.py LogitsProcessorStep:
+    `apply(logits, argmax_invariant)`), or None."""
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu") -> SamplingMetadata:

@@ -52,11 +52,11 @@ def apply_token_filters(logits: torch.Tensor, md: SamplingMetadata) -> torch.Ten
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Token filters (allowed_token_ids, bad words), logit_bias, min_tokens masking, then
-    repetition (prompt + output, transformers' rule: divide positive logits, multiply negative
-    ones), presence and frequency (output only)."""
-    logits = apply_token_filters(logits.clone(), md)
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata, filtered: bool = False) -> torch.Tensor:
+    """Token filters (allowed_token_ids, bad words; unless `filtered`: applied already), logit_bias,
+    min_tokens masking, then repetition (prompt + output, transformers' rule: divide positive
+    logits, multiply negative ones), presence and frequency (output only)."""
+    logits = logits.clone() if filtered else apply_token_filters(logits.clone(), md)
     num_rows, vocab_size = logits.shape
     device = logits.device
     for i, row in enumerate(md.rows):
