@@ -164,6 +164,10 @@ class EngineArgs:
     """Logits processors built once per engine (vLLM's interface, kvtide/logits_processors/): 'module:Class'
     names, comma-separated (LLM: a list of names or classes); each request passes its arguments in
     SamplingParams.extra_args (the server's vllm_xargs). Not with speculative decoding."""
+    generation_config: str = "auto"
+    """auto, vllm or a path: where a request's unset temperature, top_p, top_k, min_p and
+    repetition_penalty come from. auto: the checkpoint's generation_config.json; vllm: kvtide's neutral
+    defaults (temperature 1, the rest off); a path: that generation_config.json (or its directory)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod

@@ -14,7 +14,6 @@ from kvtide.engine.dp_llm_engine import DataParallelLLMEngine
 from kvtide.engine.input_processor import PromptType
 from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
-from kvtide.logits_processors.loader import parse_specs, resolve_classes
 from kvtide.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvtide.sampling_params import BeamSearchParams, SamplingParams
 from kvtide.tokenizer import load_tokenizer
@@ -41,8 +40,7 @@ class LLM:
         self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
         self.model_info = info
         self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
-        self.engine.input_processor.logits_processor_classes = resolve_classes(
-            parse_specs(self.engine_args.logits_processors))
+        self.engine.input_processor.configure(self.engine_args, info.model_dir)
         self._finalizer = weakref.finalize(self, core.shutdown)
 
     def shutdown(self) -> None:

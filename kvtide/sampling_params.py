@@ -6,6 +6,8 @@ touches the engine. Field names and defaults follow vLLM's so user code carries 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -14,6 +16,9 @@ from enum import IntEnum
 from kvtide.wire_codec import encode
 
 _GREEDY_EPS = 1e-5
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""Fields a model's generation_config.json may default for requests that leave them unset
+(engine/generation_defaults.py)."""
 MAX_LOGPROBS = 20
 MAX_STRUCTURED_SPEC_BYTES = 256 * 1024
 """UTF-8 bytes of a structured-output JSON schema (as JSON text): compile time and memory grow with
@@ -363,8 +368,21 @@ class SamplingParams:
         """Sequences generated for this prompt (best_of if set, else n)."""
         return self.best_of or self.n
 
+    @property
+    def unset_fields(self) -> frozenset[str]:
+        """The GENERATION_DEFAULT_FIELDS the caller did not pass (a model's defaults may fill them)."""
+        return frozenset(GENERATION_DEFAULT_FIELDS) - self.__dict__.get("_given", frozenset(GENERATION_DEFAULT_FIELDS))
+
+    def with_defaults(self, defaults: dict[str, object]) -> SamplingParams:
+        """These params with `defaults` filling the fields left unset (beam search takes none: it
+        does not sample)."""
+        fill = {k: v for k, v in defaults.items() if k in self.unset_fields}
+        if not fill or self.use_beam_search:
+            return self
+        return self.clone(**fill)
+
     def clone(self, **overrides: object) -> SamplingParams:
-        fields = {k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"}
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("all_stop_token_ids", "_given")}
         fields["stop"] = list(self.stop or [])
         fields["stop_token_ids"] = list(self.stop_token_ids or [])
         fields["logit_bias"] = dict(self.logit_bias) if self.logit_bias is not None else None
@@ -376,7 +394,25 @@ class SamplingParams:
         fields.update(overrides)
         params = SamplingParams(**fields)  # type: ignore[arg-type]
         params.all_stop_token_ids = set(self.all_stop_token_ids) | set(params.stop_token_ids or [])
+        params._given = self.__dict__.get("_given", frozenset()) | frozenset(overrides)
         return params
+
+
+def _remember_given_fields(init):
+    """SamplingParams' __init__, also remembering which GENERATION_DEFAULT_FIELDS the caller
+    passed: a default is indistinguishable from a value otherwise."""
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        given = set(kwargs) | set(names[:len(args)])
+        self._given = frozenset(given & set(GENERATION_DEFAULT_FIELDS))
+
+    return __init__
+
+
+SamplingParams.__init__ = _remember_given_fields(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 @dataclass

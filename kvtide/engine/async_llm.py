@@ -36,7 +36,6 @@ from kvtide.engine.core_client import (
 from kvtide.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
-from kvtide.logits_processors.loader import parse_specs, resolve_classes
 from kvtide.outputs import RequestOutput
 from kvtide.sampling_params import SamplingParams
 
@@ -138,8 +137,7 @@ class AsyncLLM:
             raise
         try:
             engine = cls(client, await tokenizer_task, stat_logger)
-            engine.input_processor.logits_processor_classes = resolve_classes(
-                parse_specs(getattr(engine_args, "logits_processors", None)))
+            engine.input_processor.configure(engine_args, engine.info.model_dir)
             return engine
         except BaseException:
             client.shutdown()

@@ -9,6 +9,7 @@ search the first is the root beam and the others are output slots for the n best
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,8 @@ class ProcessedPrompt:
 
 PromptType = str | Sequence[int] | Mapping[str, Any] | ProcessedPrompt
 
+logger = logging.getLogger(__name__)
+
 CHECKED_CONSTRAINTS_CACHE = 64
 """Constraints remembered as parsed: a request's n prompts (or a client's repeated schema) are
 parsed once, and the server can parse one off its event loop before adding the request."""
@@ -49,6 +52,19 @@ class InputProcessor:
         self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
         self.logits_processor_classes: list[type] = []
         """The engine's logits processors: each checks a request's arguments (validate_params)."""
+        self.generation_defaults: dict[str, Any] = {}
+        """The model's sampling defaults (engine/generation_defaults.py) for fields a request leaves unset."""
+
+    def configure(self, engine_args: Any, model_dir: str) -> None:
+        """The engine-wide settings requests are checked and completed with: its logits
+        processors' classes and the model's sampling defaults (logged: the defaults in force)."""
+        from kvtide.engine.generation_defaults import describe_generation_defaults, load_generation_defaults
+        from kvtide.logits_processors.loader import parse_specs, resolve_classes
+
+        self.logits_processor_classes = resolve_classes(parse_specs(getattr(engine_args, "logits_processors", None)))
+        setting = getattr(engine_args, "generation_config", "auto")
+        self.generation_defaults = load_generation_defaults(setting, model_dir)
+        logger.info("%s", describe_generation_defaults(self.generation_defaults, setting))
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
@@ -201,7 +217,7 @@ class InputProcessor:
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[EngineCoreRequest]:
         self.check_params(params, len(prompt.prompt_token_ids))
-        params = params.clone()
+        params = params.with_defaults(self.generation_defaults).clone()
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         params.all_stop_token_ids = set(params.stop_token_ids or []) | \

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import shutil
 
 import pytest
 import torch
-from serve_helpers import MODEL_NAME
+from serve_helpers import MODEL_NAME, start_server, wait_ready
 
 PROMPT = "Once upon a time"
 LOGPROB_TOL = 1e-4
@@ -149,3 +151,56 @@ def test_bad_values_are_400(server, extra, param):
         r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, **extra})
         assert r.status_code == 400, r.text
         assert param in r.text
+
+
+# ---- a server with logits processors and a model that samples greedily by default ----------------
+@pytest.fixture(scope="module")
+def plugin_server(llama_dir, tmp_path_factory):
+    """The tiny Llama with generation_config.json setting top_k 1 (greedy unless a request says
+    otherwise), served with the token-ban logits processor."""
+    model = str(tmp_path_factory.mktemp("gen") / "model")
+    shutil.copytree(llama_dir, model)
+    with open(os.path.join(model, "generation_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump(dict(config, top_k=1, temperature=0.8), f)
+    handle = wait_ready(start_server(model, "--max-num-seqs", "8", "--logits-processors",
+                                     "kvtide.logits_processors.builtin:TokenBanLogitsProcessor"))
+    try:
+        yield handle
+    finally:
+        handle.stop()
+        os.unlink(handle.log_path)
+
+
+def test_unset_sampling_fields_take_the_models_defaults(plugin_server):
+    assert "top_k=1" in plugin_server.log()  # the startup log names the defaults in force
+    with plugin_server.client() as c:
+        greedy = completion(c)["choices"][0]["text"]
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "n": 3}
+        unset = c.post("/v1/completions", json=body).json()["choices"]
+        assert [ch["text"] for ch in unset] == [greedy] * 3
+        free = c.post("/v1/completions", json=dict(body, top_k=-1, temperature=1.0)).json()["choices"]
+        assert len({ch["text"] for ch in free}) > 1
+        messages = [{"role": "user", "content": "hi"}]
+        chat = [c.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 6,
+                                                     **extra}).json()["choices"][0]["message"]["content"]
+                for extra in ({}, {"temperature": 0})]
+        assert chat[0] == chat[1]
+
+
+def test_vllm_xargs_reach_the_logits_processor(plugin_server):
+    with plugin_server.client() as c:
+        plain = completion(c, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+        ids = tokenize(c, prompt=plain[2], add_special_tokens=False)
+        assert len(ids) == 1
+        banned = completion(c, vllm_xargs={"banned_token_ids": ids})["choices"][0]["text"]
+        biased = completion(c, logit_bias={str(ids[0]): -100})["choices"][0]["text"]
+        assert banned == biased != "".join(plain)
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
+                                            "vllm_xargs": {"banned_token_ids": "x"}})
+        assert r.status_code == 400 and "banned_token_ids" in r.text
+        r = c.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 4, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": "hi"}],
+                                                 "vllm_xargs": {"banned_token_ids": ids}})
+        assert r.status_code == 200

@@ -13,7 +13,12 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtide.outputs import Logprob, PromptLogprobs
-from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from kvtide.sampling_params import (
+    GENERATION_DEFAULT_FIELDS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvtide.server.errors import OpenAIError, from_engine_error
 from kvtide.server.limits import (
     MAX_BAD_WORDS,
@@ -199,13 +204,13 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
+    # Left out when the request omits them: the model's generation_config.json may set them.
+    model_defaulted = {name: getattr(request, name) for name in GENERATION_DEFAULT_FIELDS
+                       if getattr(request, name) is not None}
     try:
         return SamplingParams(
             n=request.n, presence_penalty=pick(request.presence_penalty, 0.0),
-            frequency_penalty=pick(request.frequency_penalty, 0.0),
-            repetition_penalty=pick(request.repetition_penalty, 1.0), temperature=pick(request.temperature, 1.0),
-            top_p=pick(request.top_p, 1.0), top_k=pick(request.top_k, -1), min_p=pick(request.min_p, 0.0),
-            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            frequency_penalty=pick(request.frequency_penalty, 0.0), **model_defaulted, seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
