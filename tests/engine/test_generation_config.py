@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+from torch_threads import one_torch_thread
 
 from kvtide import LLM, SamplingParams
 from kvtide.cli import build_parser, sampling_params_from_args
@@ -17,6 +18,11 @@ from kvtide.engine.generation_defaults import load_generation_defaults
 from kvtide.sampling_params import GENERATION_DEFAULT_FIELDS
 
 PROMPT = "Once upon a time"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    yield from one_torch_thread()
 
 
 def with_generation_config(source: str, target: str, **values) -> str:

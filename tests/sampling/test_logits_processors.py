@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+from torch_threads import one_torch_thread
 
 from kvtide import LLM, SamplingParams
 from kvtide.logits_processors import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -18,6 +19,11 @@ from kvtide.logits_processors.builtin import NoRepeatNGramLogitsProcessor, Token
 PROMPTS = ["Once upon a time", "The cache holds blocks", "A scheduler hands out tokens", "river mountain seven",
            "quantum lattice ember", "harbor violet"]
 MAX_TOKENS = 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    yield from one_torch_thread()
 
 
 class UpdateRecorder(LogitsProcessor):
@@ -159,6 +165,7 @@ def test_batch_updates_remove_then_add_then_move():
     batch.request_added(records["11"])  # takes the freed index, nothing moves
     update = batch._batch_update()
     assert (update.removed, [a[0] for a in update.added], update.moved) == ([1], [1], [])
+    ban.update_state(update)
     logits = torch.zeros(2, 16)
     processed = batch.step([records["11"], records["13"]]).apply(logits, argmax_invariant=False)
     assert torch.isneginf(processed[0, 11]) and torch.isneginf(processed[1, 13])

@@ -4,11 +4,17 @@ values refused with ValueError before anything is queued."""
 from __future__ import annotations
 
 import pytest
+from torch_threads import one_torch_thread
 
 from kvtide import LLM, SamplingParams
 from kvtide.sampling.ops import banned_bad_word_tokens
 
 PROMPT = "Once upon a time"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")
