@@ -191,11 +191,12 @@ def test_unset_sampling_fields_take_the_models_defaults(plugin_server):
 
 def test_vllm_xargs_reach_the_logits_processor(plugin_server):
     with plugin_server.client() as c:
-        plain = completion(c, logprobs=0)["choices"][0]["logprobs"]["tokens"]
-        ids = tokenize(c, prompt=plain[2], add_special_tokens=False)
+        plain = completion(c, logprobs=0, max_tokens=12)["choices"][0]["logprobs"]["tokens"]
+        word = next(t for t in plain if len(t) == 1 and t.isascii() and t.isprintable())
+        ids = tokenize(c, prompt=word, add_special_tokens=False)
         assert len(ids) == 1
-        banned = completion(c, vllm_xargs={"banned_token_ids": ids})["choices"][0]["text"]
-        biased = completion(c, logit_bias={str(ids[0]): -100})["choices"][0]["text"]
+        banned = completion(c, vllm_xargs={"banned_token_ids": ids}, max_tokens=12)["choices"][0]["text"]
+        biased = completion(c, logit_bias={str(ids[0]): -100}, max_tokens=12)["choices"][0]["text"]
         assert banned == biased != "".join(plain)
         r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
                                             "vllm_xargs": {"banned_token_ids": "x"}})
