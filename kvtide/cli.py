@@ -33,10 +33,12 @@ def register_generate(subparsers) -> None:
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens_default: int) -> None:
     """The sampling flags shared by `generate` and `chat` (SamplingParams' fields, vLLM's names)."""
     p.add_argument("--max-tokens", type=int, default=max_tokens_default)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Unset: the model's generation_config.json (--generation-config) or the neutral default.
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's, else 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's, else -1 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0.0")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's, else 1.0")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
@@ -46,10 +48,12 @@ def sampling_params_from_args(args: argparse.Namespace, n: int = 1):
     """SamplingParams from the flags of add_sampling_args; a bad value raises ValueError, so it
     is refused before the model loads."""
     from kvtide import SamplingParams
+    from kvtide.sampling_params import GENERATION_DEFAULT_FIELDS
 
-    return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
-                          ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    model_defaulted = {name: getattr(args, name) for name in GENERATION_DEFAULT_FIELDS
+                       if getattr(args, name) is not None}
+    return SamplingParams(n=n, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                          seed=args.sampling_seed, **model_defaulted)
 
 
 def _read_prompts(args) -> list:

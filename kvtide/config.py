@@ -255,6 +255,8 @@ class EngineConfig:
     """kvtide.kv_events.KVEventsConfig, or None: the block pool's changes are not published."""
     lora_config: Any = None
     """kvtide.lora.config.LoRAConfig, or None: no LoRA adapters."""
+    logits_processors: tuple = ()
+    """Logits-processor classes or their 'module:Class' names, built once per runner (logits_processors/)."""
 
     def replace_cache(self, **kwargs: Any) -> EngineConfig:
         return dataclasses.replace(self, cache_config=dataclasses.replace(self.cache_config, **kwargs))

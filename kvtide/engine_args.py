@@ -177,6 +177,14 @@ class EngineArgs:
     """LoRA: the largest adapter rank accepted (the slots are preallocated at it)."""
     max_cpu_loras: int | None = None
     """LoRA: adapters kept loaded in host memory, least recently used evicted (default: max_loras)."""
+    logits_processors: str | list | None = None
+    """Logits processors built once per engine (vLLM's interface, kvtide/logits_processors/): 'module:Class'
+    names, comma-separated (LLM: a list of names or classes); each request passes its arguments in
+    SamplingParams.extra_args (the server's vllm_xargs). Not with speculative decoding."""
+    generation_config: str = "auto"
+    """auto, vllm or a path: where a request's unset temperature, top_p, top_k, min_p and
+    repetition_penalty come from. auto: the checkpoint's generation_config.json; vllm: kvtide's neutral
+    defaults (temperature 1, the rest off); a path: that generation_config.json (or its directory)."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -342,6 +350,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             parallel_config=parallel,
             lora_config=self._resolve_lora(parallel, speculative, model_impl),
+            logits_processors=_logits_processor_specs(self.logits_processors, speculative),
         )
 
     def _resolve_kv_events(self):
@@ -397,6 +406,18 @@ class EngineArgs:
 
     def replace(self, **kwargs) -> EngineArgs:
         return dataclasses.replace(self, **kwargs)
+
+
+def _logits_processor_specs(value: str | list | None, speculative) -> tuple:
+    """--logits-processors as a tuple of names and classes, each checked to import as one."""
+    from kvtide.logits_processors.loader import parse_specs, resolve_classes
+
+    specs = parse_specs(value)
+    resolve_classes(specs)
+    if specs and speculative is not None:
+        raise ValueError("--logits-processors does not combine with speculative decoding (drafts are "
+                         "verified without them); drop one of them")
+    return specs
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -41,6 +41,7 @@ class LLM:
         self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
         self.model_info = info
         self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        self.engine.input_processor.configure(self.engine_args, info.model_dir)
         self._finalizer = weakref.finalize(self, core.shutdown)
 
     def shutdown(self) -> None:
@@ -71,7 +72,8 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-            processed = self.engine.input_processor.process_prompt(prompt)
+            processed = self.engine.input_processor.process_prompt(
+                prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
             self.engine.input_processor.check_params(params, len(processed.prompt_token_ids))
         for lora in dict.fromkeys(r for r in loras if r is not None):  # each adapter loaded and checked once
             self.engine.add_lora(lora)

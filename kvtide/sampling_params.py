@@ -6,6 +6,8 @@ touches the engine. Field names and defaults follow vLLM's so user code carries 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -14,6 +16,9 @@ from enum import IntEnum
 from kvtide.wire_codec import encode
 
 _GREEDY_EPS = 1e-5
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""Fields a model's generation_config.json may default for requests that leave them unset
+(engine/generation_defaults.py)."""
 MAX_LOGPROBS = 20
 MAX_STRUCTURED_SPEC_BYTES = 256 * 1024
 """UTF-8 bytes of a structured-output JSON schema (as JSON text): compile time and memory grow with
@@ -210,6 +215,17 @@ class SamplingParams:
     """For a KV connector (kvtide/disagg/): {"do_remote_decode": true} asks a prefill instance to
     stage the prompt's KV for a decode instance; the params it returns, sent to a decode instance,
     let it load the prompt instead of computing it (vLLM's kv_transfer_params)."""
+    bad_words: list[str] | None = None
+    """Words never generated: each one's token sequence (with and without a leading space) is
+    cut by masking its last token wherever the output already ends with the ones before it."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated (every other logit is masked)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for)."""
+    extra_args: dict | None = None
+    """Per-request arguments for logits processors (vLLM's extra_args; the server's vllm_xargs)."""
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    """Filled by the engine from bad_words and the tokenizer: the token sequences to cut."""
     # Filled by the engine: EOS of the model, so stop checks need no tokenizer.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -228,6 +244,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        for name in ("bad_words", "allowed_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                setattr(self, name, list(value))
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -286,7 +308,37 @@ class SamplingParams:
             # it travels to the engine core as msgpack, which holds integers of at most 64 bits
             raise bad("kv_transfer_params", "an object of JSON values (integers of at most 64 bits)",
                       self.kv_transfer_params)
+        self._verify_token_filters(bad)
         self._verify_beam_search(bad)
+
+    def _verify_token_filters(self, bad) -> None:
+        """bad_words, allowed_token_ids, truncate_prompt_tokens and extra_args (token ids are
+        checked against the vocabulary by the engine's input processor)."""
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "a list of non-blank strings", self.bad_words)
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of token ids >= 0", self.allowed_token_ids)
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens)
+                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1 or -1 (the model's limit)",
+                      self.truncate_prompt_tokens)
+        if self.extra_args is not None and not _is_wire_object(self.extra_args):
+            raise bad("extra_args", "an object of JSON values (integers of at most 64 bits)", self.extra_args)
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, list)
+                or any(not isinstance(w, list) or not w or any(not _is_int(t) or t < 0 for t in w)
+                       for w in self.bad_words_token_ids)):
+            raise bad("bad_words_token_ids", "a list of non-empty token id lists", self.bad_words_token_ids)
+
+    @property
+    def filters_tokens(self) -> bool:
+        """Whether the sampler masks tokens for this request before any penalty (allowed_token_ids,
+        bad words)."""
+        return bool(self.allowed_token_ids) or bool(self.bad_words_token_ids)
 
     def _verify_beam_search(self, bad) -> None:
         if not isinstance(self.use_beam_search, bool):
@@ -303,7 +355,8 @@ class SamplingParams:
                        "min_tokens": self.min_tokens > 0, "logit_bias": bool(self.logit_bias),
                        "presence_penalty": self.presence_penalty != 0.0,
                        "frequency_penalty": self.frequency_penalty != 0.0,
-                       "repetition_penalty": self.repetition_penalty != 1.0}
+                       "repetition_penalty": self.repetition_penalty != 1.0,
+                       "bad_words": bool(self.bad_words), "allowed_token_ids": bool(self.allowed_token_ids)}
         for name, is_set in unsupported.items():
             if is_set:
                 raise ValueError(f"{name} is not supported with use_beam_search=True")
@@ -324,15 +377,51 @@ class SamplingParams:
         """Sequences generated for this prompt (best_of if set, else n)."""
         return self.best_of or self.n
 
+    @property
+    def unset_fields(self) -> frozenset[str]:
+        """The GENERATION_DEFAULT_FIELDS the caller did not pass (a model's defaults may fill them)."""
+        return frozenset(GENERATION_DEFAULT_FIELDS) - self.__dict__.get("_given", frozenset(GENERATION_DEFAULT_FIELDS))
+
+    def with_defaults(self, defaults: dict[str, object]) -> SamplingParams:
+        """These params with `defaults` filling the fields left unset (beam search takes none: it
+        does not sample)."""
+        fill = {k: v for k, v in defaults.items() if k in self.unset_fields}
+        if not fill or self.use_beam_search:
+            return self
+        return self.clone(**fill)
+
     def clone(self, **overrides: object) -> SamplingParams:
-        fields = {k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"}
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("all_stop_token_ids", "_given")}
         fields["stop"] = list(self.stop or [])
         fields["stop_token_ids"] = list(self.stop_token_ids or [])
         fields["logit_bias"] = dict(self.logit_bias) if self.logit_bias is not None else None
+        for name in ("bad_words", "allowed_token_ids"):
+            value = getattr(self, name)
+            fields[name] = list(value) if value is not None else None
+        if self.bad_words_token_ids is not None:
+            fields["bad_words_token_ids"] = [list(w) for w in self.bad_words_token_ids]
         fields.update(overrides)
         params = SamplingParams(**fields)  # type: ignore[arg-type]
         params.all_stop_token_ids = set(self.all_stop_token_ids) | set(params.stop_token_ids or [])
+        params._given = self.__dict__.get("_given", frozenset()) | frozenset(overrides)
         return params
+
+
+def _remember_given_fields(init):
+    """SamplingParams' __init__, also remembering which GENERATION_DEFAULT_FIELDS the caller
+    passed: a default is indistinguishable from a value otherwise."""
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        given = set(kwargs) | set(names[:len(args)])
+        self._given = frozenset(given & set(GENERATION_DEFAULT_FIELDS))
+
+    return __init__
+
+
+SamplingParams.__init__ = _remember_given_fields(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 @dataclass

@@ -138,7 +138,9 @@ class AsyncLLM:
             await asyncio.gather(tokenizer_task, return_exceptions=True)
             raise
         try:
-            return cls(client, await tokenizer_task, stat_logger)
+            engine = cls(client, await tokenizer_task, stat_logger)
+            engine.input_processor.configure(engine_args, engine.info.model_dir)
+            return engine
         except BaseException:
             client.shutdown()
             raise
@@ -169,9 +171,10 @@ class AsyncLLM:
     def num_engines(self) -> int:
         return self.client.num_engines
 
-    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """Tokenize and validate a prompt (ValueError naming what is wrong)."""
-        return self.input_processor.process_prompt(prompt, add_special_tokens)
+        return self.input_processor.process_prompt(prompt, add_special_tokens, truncate_prompt_tokens)
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -212,7 +215,7 @@ class AsyncLLM:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = self.input_processor.process_prompt(prompt, add_special_tokens)
+        processed = self.input_processor.process_prompt(prompt, add_special_tokens, params.truncate_prompt_tokens)
         arrival = time.time()
         core_requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival,
                                                            lora_request=lora_request)

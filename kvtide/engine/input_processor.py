@@ -9,6 +9,7 @@ search the first is the root beam and the others are output slots for the n best
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,8 @@ class ProcessedPrompt:
 
 PromptType = str | Sequence[int] | Mapping[str, Any] | ProcessedPrompt
 
+logger = logging.getLogger(__name__)
+
 CHECKED_CONSTRAINTS_CACHE = 64
 """Constraints remembered as parsed: a request's n prompts (or a client's repeated schema) are
 parsed once, and the server can parse one off its event loop before adding the request."""
@@ -48,11 +51,29 @@ class InputProcessor:
         self._checked_constraints: OrderedDict[tuple, str | None] = OrderedDict()
         """Constraint key -> None (parsed) or the parse error (refused again without parsing)."""
         self._checked_lock = threading.Lock()  # the server checks on a worker thread, the engine on its loop
+        self.logits_processor_classes: list[type] = []
+        """The engine's logits processors: each checks a request's arguments (validate_params)."""
+        self.generation_defaults: dict[str, Any] = {}
+        """The model's sampling defaults (engine/generation_defaults.py) for fields a request leaves unset."""
 
-    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def configure(self, engine_args: Any, model_dir: str) -> None:
+        """The engine-wide settings requests are checked and completed with: its logits
+        processors' classes and the model's sampling defaults (logged: the defaults in force)."""
+        from kvtide.engine.generation_defaults import describe_generation_defaults, load_generation_defaults
+        from kvtide.logits_processors.loader import parse_specs, resolve_classes
+
+        self.logits_processor_classes = resolve_classes(parse_specs(getattr(engine_args, "logits_processors", None)))
+        setting = getattr(engine_args, "generation_config", "auto")
+        self.generation_defaults = load_generation_defaults(setting, model_dir)
+        logger.info("%s", describe_generation_defaults(self.generation_defaults, setting))
+
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """Tokenize and validate a prompt; with `truncate_prompt_tokens` keep its last k tokens
+        (-1: max_model_len - 1) before checking it fits, and its text becomes theirs."""
         text: str | None = None
         if isinstance(prompt, ProcessedPrompt):
-            return prompt
+            return self._truncate(prompt, truncate_prompt_tokens)
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, Mapping):
@@ -81,10 +102,25 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids instead")
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if truncate_prompt_tokens is not None and 0 < len(token_ids):
+            return self._truncate(ProcessedPrompt(text, self._check_token_ids(token_ids, check_length=False)),
+                                  truncate_prompt_tokens)
         token_ids = self._check_token_ids(token_ids)
         return ProcessedPrompt(text, token_ids)
 
-    def _check_token_ids(self, token_ids: Sequence[Any]) -> list[int]:
+    def _truncate(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
+        if keep is None:
+            return prompt
+        if not isinstance(keep, int) or isinstance(keep, bool) or (keep < 1 and keep != -1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's limit), got {keep!r}")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if len(prompt.prompt_token_ids) <= keep:
+            return ProcessedPrompt(prompt.prompt, self._check_token_ids(prompt.prompt_token_ids))
+        token_ids = self._check_token_ids(prompt.prompt_token_ids[-keep:])
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        return ProcessedPrompt(text, token_ids)
+
+    def _check_token_ids(self, token_ids: Sequence[Any], check_length: bool = True) -> list[int]:
         if len(token_ids) == 0:
             raise ValueError("prompt must not be empty (0 tokens)")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
@@ -92,7 +128,7 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if check_length and len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
         return list(token_ids)
@@ -105,6 +141,15 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        bad = [t for t in params.allowed_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if params.bad_words:
+            self.bad_words_token_ids(params.bad_words)
+        if self.logits_processor_classes:
+            from kvtide.logits_processors.loader import validate_params
+
+            validate_params(self.logits_processor_classes, params)
         if (params.stop or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         if params.structured_outputs is not None:
@@ -116,6 +161,23 @@ class InputProcessor:
                 raise ValueError(f"beam_width: {params.num_beams} beams need "
                                  f"{max(2, 1 + num_stop) * params.num_beams} candidates per step, more "
                                  f"than the vocabulary ({self.vocab_size})")
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequence as written after another word (with a leading space)
+        and as written alone (without), both refused: a tokenizer marks a word's start in its
+        first token, so either may be what the model emits."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        bad = [t for ids in sequences for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words: token id {bad[0]} is out of range [0, {self.vocab_size})")
+        return sequences
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """Parse the constraint now (a bad schema, regex or grammar is the caller's error, before
@@ -157,7 +219,9 @@ class InputProcessor:
                       priority: int = 0, arrival_time: float | None = None,
                       lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         self.check_params(params, len(prompt.prompt_token_ids))
-        params = params.clone()
+        params = params.with_defaults(self.generation_defaults).clone()
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         params.all_stop_token_ids = set(params.stop_token_ids or []) | \
             (set() if params.ignore_eos else set(self.eos_token_ids))
         arrival = arrival_time if arrival_time is not None else time.time()

@@ -41,7 +41,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        processed = self.input_processor.process_prompt(prompt)
+        processed = self.input_processor.process_prompt(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
         core_requests = self.input_processor.make_requests(request_id, processed, params, priority,
                                                            lora_request=lora_request)
         for core_request in core_requests:

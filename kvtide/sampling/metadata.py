@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,9 +53,12 @@ class SamplingMetadata:
     depend on the batch it lands in, nor on preemption."""
     rows: Sequence[SamplingRow]
     needs_processing: bool
-    """Any penalty, logit bias or min_tokens mask to apply."""
+    """Any token filter, penalty, logit bias or min_tokens mask to apply."""
     max_num_logprobs: int | None
     """Largest `logprobs` asked for in the batch (None: no row wants logprobs)."""
+    logits_processors: Any = None
+    """The engine's logits processors for this step (logits_processors/batch.py LogitsProcessorStep:
+    `apply(logits, argmax_invariant)`), or None."""
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu") -> SamplingMetadata:
@@ -80,7 +83,8 @@ class SamplingMetadata:
                 generators[i] = g
         needs_processing = any(
             r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
-            or r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in rows)
+            or r.params.logit_bias or r.params.filters_tokens or len(r.output_token_ids) < r.params.min_tokens
+            for r in rows)
         wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return cls(all_greedy=all(greedy), all_random=not any(greedy), temperature=temperature,
                    greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device), top_k=top_k,
@@ -113,7 +117,7 @@ class SamplingRowTable:
         self.seeds: dict[int, int] = {}
         """row -> seed of a seeded random row (a Python int: any size)."""
         self.penalized = np.zeros(rows, dtype=bool)
-        """Any penalty or logit bias (min_tokens is checked per step)."""
+        """Any penalty, logit bias or token filter (min_tokens is checked per step)."""
         self.min_tokens = np.zeros(rows, dtype=np.int64)
         self.logprobs = np.full(rows, -1, dtype=np.int64)
         """-1: no logprobs asked."""
@@ -136,7 +140,8 @@ class SamplingRowTable:
         if self.seeded[row]:
             self.seeds[row] = params.seed  # type: ignore[assignment]
         self.penalized[row] = bool(params.presence_penalty or params.frequency_penalty
-                                   or params.repetition_penalty != 1.0 or params.logit_bias)
+                                   or params.repetition_penalty != 1.0 or params.logit_bias
+                                   or params.filters_tokens)
         self.min_tokens[row] = params.min_tokens
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self._version += 1

@@ -21,10 +21,42 @@ def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -
     return counts[:, :vocab_size]
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens masking, then repetition (prompt + output, transformers' rule:
-    divide positive logits, multiply negative ones), presence and frequency (output only)."""
-    logits = logits.clone()
+def banned_bad_word_tokens(bad_words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete one of `bad_words` (token sequences) after this output: a
+    one-token word always, a longer one's last token where the output ends with the rest."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output_token_ids) >= len(prefix)
+                          and output_token_ids[len(output_token_ids) - len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_token_filters(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids (every other token masked), then bad words (the tokens that would
+    complete one masked): vLLM's first two steps, before any bias or penalty. In place."""
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(md.rows):
+        params = row.params
+        if params.allowed_token_ids:
+            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab_size], dtype=torch.int64,
+                                   device=logits.device)
+            keep = logits[i].index_select(0, allowed)
+            logits[i].fill_(float("-inf")).index_copy_(0, allowed, keep)
+        if params.bad_words_token_ids:
+            banned = [t for t in banned_bad_word_tokens(params.bad_words_token_ids, row.output_token_ids)
+                      if t < vocab_size]
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata, filtered: bool = False) -> torch.Tensor:
+    """Token filters (allowed_token_ids, bad words; unless `filtered`: applied already), logit_bias,
+    min_tokens masking, then repetition (prompt + output, transformers' rule: divide positive
+    logits, multiply negative ones), presence and frequency (output only)."""
+    logits = logits.clone() if filtered else apply_token_filters(logits.clone(), md)
     num_rows, vocab_size = logits.shape
     device = logits.device
     for i, row in enumerate(md.rows):

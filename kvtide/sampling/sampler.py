@@ -1,10 +1,12 @@
 """The sampler: logits (R, V) -> one token per row, in documented, ordered steps.
 
   1. logprobs, if asked, from the raw model logits (before any processing, as vLLM reports them);
-  2. logit processors: logit_bias, min_tokens (stop ids masked), repetition / presence / frequency
-     penalties;
+  2. token filters (allowed_token_ids, bad words), the engine's logits processors that may change
+     the argmax (logits_processors/), logit_bias, min_tokens (stop ids masked), repetition /
+     presence / frequency penalties (vLLM's order);
   3. greedy rows take the argmax;
-  4. random rows: temperature, then top_k, top_p, min_p (transformers' warper order), then a draw
+  4. random rows: temperature, the engine's argmax-invariant logits processors, then top_k, top_p,
+     min_p (transformers' warper order), then a draw
      by the exponential race argmax(p / q), q ~ Exp(1): no device sync, and a seeded row draws its
      q from its own generator, so its token does not depend on the other rows.
 Rows with non-finite logits are reported, and only those requests fail.
@@ -21,6 +23,7 @@ from kvtide.sampling.metadata import SamplingMetadata
 from kvtide.sampling.ops import (
     apply_min_p,
     apply_penalties,
+    apply_token_filters,
     apply_top_k_top_p,
     argmax_first,
     compute_top_logprobs,
@@ -63,8 +66,7 @@ class Sampler:
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
 
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        if md.needs_processing:
-            logits = apply_penalties(logits, md)
+        logits = self._process(logits, md)
 
         if md.all_greedy:
             sampled = argmax_first(logits)
@@ -84,13 +86,24 @@ class Sampler:
     def processed_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The distribution a random row draws from (steps 2 and 4): what speculative sampling
         compares a draft's distribution against."""
-        logits = logits.float()
-        if md.needs_processing:
-            logits = apply_penalties(logits, md)
-        return self._random_probs(logits, md)
+        return self._random_probs(self._process(logits.float(), md), md)
+
+    @staticmethod
+    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Step 2: token filters, processors that may move the argmax, bias and penalties."""
+        if md.logits_processors is not None:
+            if md.needs_processing:
+                logits = apply_token_filters(logits.clone(), md)
+            logits = md.logits_processors.apply(logits, argmax_invariant=False)
+            if md.needs_processing:
+                logits = apply_penalties(logits, md, filtered=True)
+            return logits
+        return apply_penalties(logits, md) if md.needs_processing else logits
 
     def _random_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = logits / md.temperature[:, None]
+        if md.logits_processors is not None:
+            logits = md.logits_processors.apply(logits, argmax_invariant=True)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)
         if md.min_p is not None:

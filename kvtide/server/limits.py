@@ -31,6 +31,9 @@ MAX_STOP_TOKEN_IDS = 1024
 """stop_token_ids entries."""
 MAX_LOGIT_BIAS = 300
 """logit_bias entries (OpenAI's bound)."""
+MAX_BAD_WORDS = 64
+"""bad_words entries (each is checked against the output's tail at every step), of at most
+MAX_STOP_STRING_CHARS characters each."""
 MAX_HEADER_BYTES = 16 * 1024
 """Request header bytes (names + values, summed); more gets 431. uvicorn's h11 parser itself is
 given 4x this, beyond which it answers a bare 400 before the app sees the request."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,6 +52,16 @@ class CachedRequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+class RowListener(Protocol):
+    """Told when a request takes a row (new, or resumed after preemption) and when it leaves one
+    (finished, preempted): per-request state kept outside the rows follows the batch this way
+    (logits_processors/batch.py)."""
+
+    def request_added(self, state: CachedRequestState) -> None: ...
+
+    def request_removed(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -117,6 +128,7 @@ class InputBatch:
         self._free_rows: list[int] = []
         self._num_rows = 0
         """Rows ever handed out (the high-water mark); rows below it not in use are in _free_rows."""
+        self.row_listener: RowListener | None = None
 
     # ---- the diffs -------------------------------------------------------------------------------
     def update(self, so: SchedulerOutput, uids: Iterator[int], samples: bool = True) -> None:
@@ -178,6 +190,8 @@ class InputBatch:
         if lora is not None:
             self.lora_requests[lora.lora_int_id] = lora
         self.sampling.write(row, state.sampling_params)
+        if self.row_listener is not None:
+            self.row_listener.request_added(state)
 
     def _remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
@@ -190,6 +204,8 @@ class InputBatch:
         self.lora_ids[row] = 0
         self._free_rows.append(row)
         self.sampling.clear(row)
+        if self.row_listener is not None:
+            self.row_listener.request_removed(req_id)
 
     def _new_row(self) -> int:
         row = self._num_rows

@@ -82,6 +82,15 @@ class ModelRunner:
         """Whether this rank samples (the last pipeline stage); earlier stages take the sampled
         tokens from the scheduler output (CachedRequestData.sampled_token_ids)."""
         self._uids = itertools.count(1)
+        self.logits_processors = None
+        """The engine's logits processors (logits_processors/batch.py), told of every row change."""
+        if config.logits_processors and self.samples:
+            from kvtide.logits_processors.batch import LogitsProcessorBatch
+            from kvtide.logits_processors.loader import build_processors
+
+            self.logits_processors = LogitsProcessorBatch(
+                build_processors(config.logits_processors, config, self.device))
+            self.input_batch.row_listener = self.logits_processors
         self.kv_caches: list[torch.Tensor] = []
         """Caches in the attention backend's layout."""
         self._kv_to_collapse: list[torch.Tensor] = []
@@ -303,6 +312,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             self._apply_grammar(so, inputs, logits, drafts)
             states, md = self.input_batch.sampling_metadata(inputs)
+            if self.logits_processors is not None:
+                md.logits_processors = self.logits_processors.step(states)
             if FAULTS is not None:  # fault injection for the reliability tests (kvtide/testing/faults.py)
                 FAULTS.on_logits(logits, [s.token_ids[:s.num_prompt_tokens] for s in states])
             sampled = self.sampler(logits, md)

@@ -61,7 +61,7 @@ JSON_CASES = [
      "stream_options", None),
     ("stream_options wrong type", CMPL, cmpl(stream=True, stream_options={"include_usage": 3}), 400,
      "stream_options.include_usage", None),
-    ("echo", CMPL, cmpl(echo=True), 400, "echo", None),
+    ("echo with logprobs streamed", CMPL, cmpl(echo=True, logprobs=1, stream=True), 400, "echo", None),
     ("suffix", CMPL, cmpl(suffix="x"), 400, "suffix", None),
     ("best_of", CMPL, cmpl(best_of=3), 400, "best_of", None),
     ("unknown model", CMPL, cmpl(model="gpt-4"), 404, "model", "model_not_found"),

@@ -125,11 +125,10 @@ def test_completion_logprobs(openai_client):
     assert streamed_lps == pytest.approx(lp.token_logprobs)
 
 
-def test_echo_and_suffix_rejected(server):
+def test_suffix_rejected(server):  # echo is served: tests/server/test_sampling_switches.py
     with server.client() as c:
-        for extra, param in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix")):
-            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", **extra})
-            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "suffix": "end"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
 def test_context_length(server):

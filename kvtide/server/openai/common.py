@@ -13,9 +13,15 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtide.outputs import Logprob, PromptLogprobs
-from kvtide.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from kvtide.sampling_params import (
+    GENERATION_DEFAULT_FIELDS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvtide.server.errors import OpenAIError, from_engine_error
 from kvtide.server.limits import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
@@ -118,6 +124,14 @@ class SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     """vLLM's extra: the logprob of every prompt token (and this many alternatives), non-streamed
     only; the prompt is then computed in full, without the prefix cache."""
+    bad_words: list[str] | None = None
+    """vLLM's extra: words never generated (with or without a leading space)."""
+    allowed_token_ids: list[NonNegInt] | None = None
+    """vLLM's extra: only these token ids may be generated."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    """vLLM's extra: keep the prompt's last k tokens (-1: as many as the context leaves room for)."""
+    vllm_xargs: dict[str, Any] | None = None
+    """vLLM's extra: per-request arguments for the server's logits processors (SamplingParams.extra_args)."""
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -190,18 +204,20 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int, logprobs: i
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
+    # Left out when the request omits them: the model's generation_config.json may set them.
+    model_defaulted = {name: getattr(request, name) for name in GENERATION_DEFAULT_FIELDS
+                       if getattr(request, name) is not None}
     try:
         return SamplingParams(
             n=request.n, presence_penalty=pick(request.presence_penalty, 0.0),
-            frequency_penalty=pick(request.frequency_penalty, 0.0),
-            repetition_penalty=pick(request.repetition_penalty, 1.0), temperature=pick(request.temperature, 1.0),
-            top_p=pick(request.top_p, 1.0), top_k=pick(request.top_k, -1), min_p=pick(request.min_p, 0.0),
-            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            frequency_penalty=pick(request.frequency_penalty, 0.0), **model_defaulted, seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
             cache_salt=request.cache_salt, speculation=request.speculation, prompt_logprobs=request.prompt_logprobs,
-            structured_outputs=structured_outputs, kv_transfer_params=request.kv_transfer_params)
+            structured_outputs=structured_outputs, kv_transfer_params=request.kv_transfer_params,
+            bad_words=request.bad_words, allowed_token_ids=request.allowed_token_ids,
+            truncate_prompt_tokens=request.truncate_prompt_tokens, extra_args=request.vllm_xargs)
     except ValueError as e:
         raise from_engine_error(e) from e
 
@@ -217,6 +233,10 @@ def _check_list_limits(request: SamplingRequest) -> None:
     if request.stop_token_ids is not None and len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise OpenAIError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} entries, got "
                           f"{len(request.stop_token_ids)}", 400, param="stop_token_ids")
+    if request.bad_words is not None and (len(request.bad_words) > MAX_BAD_WORDS or any(
+            len(w) > MAX_STOP_STRING_CHARS for w in request.bad_words)):
+        raise OpenAIError(f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_STOP_STRING_CHARS} "
+                          "characters each", 400, param="bad_words")
     if request.logit_bias is not None and len(request.logit_bias) > MAX_LOGIT_BIAS:
         raise OpenAIError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(request.logit_bias)}", 400,
                           param="logit_bias")

@@ -208,7 +208,8 @@ class ChatServing:
             state, request.messages, request.add_generation_prompt, request.chat_template,
             request.chat_template_kwargs, plan.tools)
         try:
-            prompt_ids = state.engine.process_prompt({"prompt_token_ids": prompt_ids}).prompt_token_ids
+            prompt_ids = state.engine.process_prompt({"prompt_token_ids": prompt_ids}, True,
+                                                     request.truncate_prompt_tokens).prompt_token_ids
         except ValueError as e:
             raise from_value_error(e, param="messages") from e
         requested = request.max_completion_tokens if request.max_completion_tokens is not None \

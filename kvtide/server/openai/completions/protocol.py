@@ -19,7 +19,8 @@ class CompletionRequest(SamplingRequest, StructuredOutputFields):
     suffix: str | None = None
     """Not supported (refused with 400 when non-empty)."""
     echo: bool = False
-    """Not supported (refused with 400 when true)."""
+    """Prefix each choice with its prompt (text and, with logprobs, its tokens' logprobs; the
+    latter non-streamed only)."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_BEST_OF)] | None = None
     """Only best_of == n (the default) is supported."""
@@ -37,7 +38,8 @@ class CompletionRequest(SamplingRequest, StructuredOutputFields):
 
 class CompletionLogprobs(OpenAIBaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    """None for an echoed prompt's first token (nothing predicts it)."""
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 

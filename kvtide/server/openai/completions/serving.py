@@ -50,6 +50,12 @@ from kvtide.server.state import ServerState
 
 
 @dataclass
+class _EchoedPrompt:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
@@ -73,11 +79,18 @@ class CompletionServing:
                               f"{len(prompts)} x {request.n}", 400, param="prompt")
         structured, source = structured_outputs_of(request)
         processed = await offload.tokenize(self._process_prompts, prompts, request.add_special_tokens,
+                                           request.truncate_prompt_tokens,
                                            timeout_s=state.limits.render_timeout_s, param="prompt")
         prompt_ids = [p.prompt_token_ids for p in processed]
         params = [build_sampling_params(
             request, resolve_max_tokens(request.max_tokens, len(ids), state.max_model_len, "prompt"),
             request.logprobs, structured) for ids in prompt_ids]
+        echo = None
+        if request.echo:
+            echo = [_EchoedPrompt(self._prompt_text(p), p.prompt_token_ids) for p in processed]
+            if request.logprobs is not None:  # the prompt's own logprobs lead the choice's
+                k = max(request.logprobs, request.prompt_logprobs or 0)
+                params = [p.clone(prompt_logprobs=k) for p in params]
         if request.use_beam_search:
             params = [_beam_search_params(request, p) for p in params]
         if params:
@@ -96,36 +109,45 @@ class CompletionServing:
                     _, rest = await until_disconnected(raw_request, first_and_rest(merged))
                 except ClientDisconnected:
                     return Response(status_code=499)
-                return StreamingResponse(self._stream(rest, request, response_id, model, num_prompt_tokens),
+                return StreamingResponse(self._stream(rest, request, response_id, model, num_prompt_tokens, echo),
                                          media_type="text/event-stream")
             try:
                 body = await until_disconnected(
-                    raw_request, self._collect(merged, request, response_id, model, num_prompt_tokens))
+                    raw_request, self._collect(merged, request, response_id, model, num_prompt_tokens, echo))
             except ClientDisconnected:
                 return Response(status_code=499)
         except ValueError as e:
             raise constraint_error(e, source) from e
         return JSONResponse(body)
 
-    def _process_prompts(self, prompts: list[Any], add_special_tokens: bool) -> list[ProcessedPrompt]:
+    def _process_prompts(self, prompts: list[Any], add_special_tokens: bool,
+                         truncate_prompt_tokens: int | None) -> list[ProcessedPrompt]:
         """Tokenize and validate every prompt (on the tokenizer's thread: a text longer than
-        max_model_len tokens can hold is refused without tokenizing it)."""
+        max_model_len tokens can hold is refused without tokenizing it), each cut to its last
+        truncate_prompt_tokens tokens if set."""
         state = self.state
         processed = []
         for prompt in prompts:
             if isinstance(prompt, str):
                 check_prompt_chars(state.tokenizer, prompt, state.max_model_len, "prompt")
             try:
-                processed.append(state.engine.process_prompt(prompt, add_special_tokens))
+                processed.append(state.engine.process_prompt(prompt, add_special_tokens, truncate_prompt_tokens))
             except ValueError as e:
                 raise from_value_error(e, param="prompt") from e
         return processed
 
+    def _prompt_text(self, prompt: ProcessedPrompt) -> str:
+        """What echo repeats: the prompt's text, or its tokens decoded for a token-id prompt."""
+        if prompt.prompt is not None:
+            return prompt.prompt
+        return self.state.tokenizer.decode(prompt.prompt_token_ids)
+
     @staticmethod
     def _check_supported(request: CompletionRequest) -> None:
         request.check_stream_options()
-        if request.echo:
-            raise OpenAIError("echo is not supported", 400, param="echo")
+        if request.echo and request.stream and request.logprobs is not None:
+            raise OpenAIError("echo with logprobs is not available with stream=true (the prompt's logprobs "
+                              "come with the whole response); send stream=false", 400, param="echo")
         if request.suffix:
             raise OpenAIError("suffix is not supported", 400, param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -136,7 +158,8 @@ class CompletionServing:
 
     # ---- non-streamed ----------------------------------------------------------------------
     async def _collect(self, merged: AsyncIterator[tuple[int, RequestOutput]], request: CompletionRequest,
-                       response_id: str, model: str, num_prompt_tokens: int) -> dict[str, Any]:
+                       response_id: str, model: str, num_prompt_tokens: int,
+                       echo: list[_EchoedPrompt] | None) -> dict[str, Any]:
         choices: dict[int, _Choice] = {}
         cached_tokens: dict[int, int] = {}
         prompt_logprobs: dict[int, Any] = {}
@@ -146,7 +169,11 @@ class CompletionServing:
             prompt_logprobs[prompt_index] = output.prompt_logprobs
             kv_transfer_params = output.kv_transfer_params or kv_transfer_params
             for completion in output.outputs:
-                choice = choices.setdefault(prompt_index * request.n + completion.index, _Choice())
+                index = prompt_index * request.n + completion.index
+                if index not in choices:
+                    choices[index] = self._echoed_choice(echo[prompt_index], output, request.logprobs) \
+                        if echo is not None else _Choice()
+                choice = choices[index]
                 choice.text.append(completion.text)
                 choice.num_tokens += len(completion.token_ids)
                 if request.logprobs is not None:
@@ -158,11 +185,33 @@ class CompletionServing:
             id=response_id, created=int(time.time()), model=model,
             choices=[CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      prompt_logprobs=prompt_logprobs_body(prompt_logprobs.get(i // request.n)))
+                                      prompt_logprobs=prompt_logprobs_body(prompt_logprobs.get(i // request.n))
+                                      if request.prompt_logprobs is not None else None)
                      for i, c in sorted(choices.items())],
             usage=UsageInfo.of(num_prompt_tokens, sum(c.num_tokens for c in choices.values()),
                                sum(cached_tokens.values())), kv_transfer_params=kv_transfer_params)
         return response_body(response)
+
+    def _echoed_choice(self, echoed: _EchoedPrompt, output: RequestOutput, k: int | None) -> _Choice:
+        """A choice starting with its prompt (echo): the prompt's text and, with logprobs, one
+        entry per prompt token (the first has no logprob: nothing predicts it), as OpenAI's
+        legacy completions answer."""
+        choice = _Choice(text=[echoed.text])
+        if k is None:
+            return choice
+        token_text = self.state.token_text
+        logprobs = CompletionLogprobs()
+        offset = 0
+        entries = output.prompt_logprobs or [None] * len(echoed.token_ids)
+        for token_id, entry in zip(echoed.token_ids, entries, strict=False):
+            text = token_text(token_id)
+            logprobs.tokens.append(text)
+            logprobs.token_logprobs.append(None if entry is None else safe_float(chosen_logprob(entry, token_id)))
+            logprobs.top_logprobs.append(_top_dict(token_text, entry, k) if entry is not None and k > 0 else None)
+            logprobs.text_offset.append(offset)
+            offset += len(text)
+        choice.logprobs = logprobs
+        return choice
 
     def _logprobs(self, completion: CompletionOutput, k: int, into: CompletionLogprobs | None,
                   text_offset: int) -> CompletionLogprobs:
@@ -180,8 +229,10 @@ class CompletionServing:
 
     # ---- streamed --------------------------------------------------------------------------
     async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], request: CompletionRequest,
-                      response_id: str, model: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                      response_id: str, model: str, num_prompt_tokens: int,
+                      echo: list[_EchoedPrompt] | None) -> AsyncIterator[str]:
         created = int(time.time())
+        echoed: set[int] = set()
         include_usage = request.include_usage_in_stream()
         num_completion_tokens = 0
         cached_tokens: dict[int, int] = {}
@@ -202,7 +253,11 @@ class CompletionServing:
                         if delta.tokens:
                             logprobs_state[index] = delta
                         logprobs = delta.model_dump()
-                    choices.append({"index": index, "text": completion.text, "logprobs": logprobs,
+                    text = completion.text
+                    if echo is not None and index not in echoed:  # the prompt leads the choice's first chunk
+                        echoed.add(index)
+                        text = echo[prompt_index].text + text
+                    choices.append({"index": index, "text": text, "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason,
                                     "stop_reason": completion.stop_reason})
                 chunk: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
