@@ -37,8 +37,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 """GGUF general.architecture -> the transformers architecture kvtide serves it as."""
 
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                     "Q5_K", "Q6_K")
-"""Tensor types dequantized on load to the engine dtype."""
+                     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+"""Tensor types kvtide reads: the quantized ones stay quantized in the linears and the token table
+(layers/quantization/gguf.py); any other tensor of them is dequantized on load to the engine dtype."""
 
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 """llama.cpp's converter interleaves the rotary halves of q/k for these (its 'normal' rope); Qwen

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
+from gguf_reference_quants import REFERENCE_QUANTIZERS
 
 from kvtide.layers.quantization import qweight
 from kvtide.layers.quantization.gguf_codecs import SUPPORTED, check_decoded, decode_blocks
@@ -21,6 +22,12 @@ EXPECTED = {
     "Q8_0": ("int8", np.int8, (-128, 127), 32, False),
     "Q4_0": ("int4", np.uint8, (0, 15), 32, True),
     "Q4_1": ("int4", np.uint8, (0, 15), 32, True),
+    "Q5_0": ("int8", np.int8, (-16, 15), 32, False),
+    "Q5_1": ("int8", np.int8, (0, 31), 32, True),
+    "Q2_K": ("int8", np.int8, (0, 3), 16, True),
+    "Q3_K": ("int8", np.int8, (-4, 3), 16, False),
+    "IQ4_NL": ("int8", np.int8, (-127, 113), 32, False),
+    "IQ4_XS": ("int8", np.int8, (-127, 113), 32, False),
     "Q4_K": ("int4", np.uint8, (0, 15), 32, True),
     "Q5_K": ("int8", np.int8, (0, 31), 32, True),
     "Q6_K": ("int8", np.int8, (-32, 31), 16, False),
@@ -32,6 +39,12 @@ F16_FIELDS = {
     "Q8_0": [(0, False)],
     "Q4_0": [(0, False)],
     "Q4_1": [(0, False), (2, True)],
+    "Q5_0": [(0, False)],
+    "Q5_1": [(0, False), (2, True)],
+    "Q2_K": [(80, False), (82, False)],
+    "Q3_K": [(108, False)],
+    "IQ4_NL": [(0, False)],
+    "IQ4_XS": [(0, False)],
     "Q4_K": [(0, False), (2, False)],
     "Q5_K": [(0, False), (2, False)],
     "Q6_K": [(208, False)],
@@ -104,15 +117,22 @@ def test_random_blocks_match_gguf_dequantize(name):
     assert decoded.codes.min() == lo and decoded.codes.max() == hi
 
 
-GGUF_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
-"""The types the gguf package itself can quantize (its K-quants are dequantize-only); the K-quants
-are covered by the random blocks above."""
+GGUF_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The types the gguf package itself can quantize (its K-quants and IQ types are dequantize-only);
+those are covered by the random blocks above and by tests/gguf_reference_quants.py's quantizers."""
 
 
 @pytest.mark.parametrize("name", GGUF_QUANTIZABLE)
 def test_gguf_quantized_weights_match_gguf_dequantize(name):
     raw = quantized_blocks(name, ROWS, K, seed=10 + SUPPORTED.index(name))
     assert raw is not None, f"gguf can no longer quantize {name}"
+    assert_matches_gguf(raw, name)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_QUANTIZERS))
+def test_reference_quantized_weights_match_gguf_dequantize(name):
+    weights = np.random.default_rng(30 + SUPPORTED.index(name)).standard_normal((ROWS, K)).astype(np.float32) * 0.05
+    raw, _ = REFERENCE_QUANTIZERS[name](weights)
     assert_matches_gguf(raw, name)
 
 
@@ -145,8 +165,8 @@ def test_multi_dim_raw_is_flattened_to_rows():
 
 def test_bad_input_raises():
     raw = random_blocks("Q8_0", 2, 64, seed=0)
-    with pytest.raises(ValueError, match="Q2_K"):
-        decode_blocks(raw, "Q2_K", 64)
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        decode_blocks(raw, "IQ2_XXS", 64)
     with pytest.raises(ValueError, match="bytes"):
         decode_blocks(raw, "Q8_0", 96)  # 96 weights would take 102 bytes, not 68
     with pytest.raises(ValueError, match="bytes"):

@@ -1,8 +1,9 @@
 """GGUF checkpoints kept quantized: each linear (and the token table) keeps its ggml blocks' codes
 in the engine's QuantizedWeight layout instead of being dequantized to float at load.
 
-Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q8_0, Q5_K -> int8 in groups of 32;
-Q6_K -> int8 in groups of 16 (gguf_codecs.py decodes the blocks). F32/F16/BF16 tensors stay float.
+Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS
+-> int8 in groups of 32; Q2_K, Q3_K, Q6_K -> int8 in groups of 16 (their sub-blocks; int4 groups are
+32 wide) (gguf_codecs.py decodes the blocks, every value exactly). F32/F16/BF16 tensors stay float.
 A fused layer whose shards come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K)
 takes the widest kind and the finest group of its shards, with each shard promoted to it
 (qweight.promote), so the fused projection stays one kernel call.
@@ -30,9 +31,11 @@ from kvtide.layers.quantization.qweight import QuantizedWeight
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
 FORMATS = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q4_K": ("int4", 32),
-           "Q8_0": ("int8", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16)}
+           "Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q5_1": ("int8", 32), "Q5_K": ("int8", 32),
+           "IQ4_NL": ("int8", 32), "IQ4_XS": ("int8", 32),
+           "Q2_K": ("int8", 16), "Q3_K": ("int8", 16), "Q6_K": ("int8", 16)}
 """GGUF tensor type -> (kind, group size) it is kept in."""
-HAS_MINS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")
+HAS_MINS = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PARAMS = ("gguf_codes", "gguf_scales", "gguf_mins")
 
@@ -51,8 +54,10 @@ def layer_format(types: list[str]) -> tuple[str, int, bool] | None:
 
 
 class GGUFMethod(WeightOnlyMethod):
-    def __init__(self, kind: str, group_size: int, has_mins: bool) -> None:
+    def __init__(self, kind: str, group_size: int, has_mins: bool, gguf_types: tuple[str, ...] = ()) -> None:
         self.kind, self.group_size, self.has_mins = kind, group_size, has_mins
+        self.gguf_types = gguf_types
+        """The GGUF tensor type of each checkpoint shard the layer holds, in shard order."""
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.weight.shape
@@ -73,6 +78,7 @@ class GGUFMethod(WeightOnlyMethod):
         mins = layer.gguf_mins.data if self.has_mins else None
         qw = QuantizedWeight(self.kind, layer.gguf_codes.data, layer.gguf_scales.data, mins, self.group_size, n, k)
         drop_parameters(layer, *PARAMS)
+        layer.gguf_types = self.gguf_types  # what the file stored, beside the layout it is held in
         return qw
 
 
@@ -102,9 +108,10 @@ class GGUFConfig(QuantizationConfig):
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         names = [f"{module}.weight" for module in checkpoint_modules(prefix, layer, self.shard_names).values()]
-        fmt = layer_format([self.tensor_types.get(name, "missing") for name in names])
+        types = [self.tensor_types.get(name, "missing") for name in names]
+        fmt = layer_format(types)
         if fmt is None:
             return None
         for name in names:
             self.tensor_formats[name] = fmt
-        return GGUFMethod(*fmt)
+        return GGUFMethod(*fmt, gguf_types=tuple(types))
