@@ -82,6 +82,9 @@ class EngineCore:
                                               initializer=getattr(executor, "init_worker_thread", None))
         self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         """The step running on the worker whose outputs are not processed yet."""
+        self.memory: dict[str, int] | None = None
+        """Bytes by kind measured at startup (weights as stored and held, packed copies, KV pool,
+        runtime; worker/memory_budget.py), reported in the stats; None if not measured."""
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
@@ -214,7 +217,10 @@ class EngineCore:
                         figures["assignments"], figures["dropped"])
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.memory is not None:
+            stats.memory = dict(self.memory)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -71,4 +71,7 @@ class SchedulerStats:
     before the first constrained request."""
     kv_connector: dict | None = None
     """KV connector counters (disagg/base.py ConnectorStats), None without a connector."""
+    memory: dict | None = None
+    """Bytes by kind measured at startup (worker/memory_budget.py KINDS, plus "resident"), None
+    where the engine did not measure them."""
     extra: dict = field(default_factory=dict)
