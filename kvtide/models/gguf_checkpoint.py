@@ -397,7 +397,7 @@ def _kept_quantized(path: str, entry: dict[str, Any], raw: np.ndarray, layout: t
     from gguf import GGMLQuantizationType, dequantize
 
     from kvtide.layers.quantization.gguf_codecs import check_decoded, decode_blocks
-    from kvtide.layers.quantization.qweight import QuantizedWeight, pack_int4, promote
+    from kvtide.layers.quantization.qweight import NIBBLE_KINDS, QuantizedWeight, pack_int4, promote
 
     kind, group, has_mins = layout
     rows, k = int(np.prod(entry["shape"][:-1])), entry["shape"][-1]
@@ -414,7 +414,7 @@ def _kept_quantized(path: str, entry: dict[str, Any], raw: np.ndarray, layout: t
         codes, scales = _unpermute(codes, entry["permute_heads"]), _unpermute(scales, entry["permute_heads"])
         mins = None if mins is None else _unpermute(mins, entry["permute_heads"])
     codes_t = torch.from_numpy(np.ascontiguousarray(codes))
-    qw = QuantizedWeight(decoded.kind, pack_int4(codes_t) if decoded.kind == "int4" else codes_t,
+    qw = QuantizedWeight(decoded.kind, pack_int4(codes_t) if decoded.kind in NIBBLE_KINDS else codes_t,
                          torch.from_numpy(np.ascontiguousarray(scales)),
                          None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
                          decoded.group_size, rows, k)

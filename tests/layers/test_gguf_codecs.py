@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
 from gguf_reference_quants import REFERENCE_QUANTIZERS
 
 from kvtide.layers.quantization import qweight
@@ -26,8 +26,8 @@ EXPECTED = {
     "Q5_1": ("int8", np.int8, (0, 31), 32, True),
     "Q2_K": ("int8", np.int8, (0, 3), 16, True),
     "Q3_K": ("int8", np.int8, (-4, 3), 16, False),
-    "IQ4_NL": ("int8", np.int8, (-127, 113), 32, False),
-    "IQ4_XS": ("int8", np.int8, (-127, 113), 32, False),
+    "IQ4_NL": ("iq4", np.uint8, (0, 15), 32, False),  # indices into the level grid
+    "IQ4_XS": ("iq4", np.uint8, (0, 15), 32, False),
     "Q4_K": ("int4", np.uint8, (0, 15), 32, True),
     "Q5_K": ("int8", np.int8, (0, 31), 32, True),
     "Q6_K": ("int8", np.int8, (-32, 31), 16, False),
@@ -79,10 +79,15 @@ def quantized_blocks(name: str, rows: int, k: int, seed: int) -> np.ndarray | No
         return None
 
 
+IQ4_GRID = np.array(IQ4_NL.kvalues, dtype=np.float32)
+"""The IQ4 level grid as the gguf package spells it (what an iq4 code indexes)."""
+
+
 def reconstruct(decoded) -> np.ndarray:
-    """scales * codes + mins, computed here independently of the module."""
+    """scales * codes + mins (iq4: scales * grid[code]), computed here independently of the module."""
     g = decoded.group_size
-    out = decoded.codes.astype(np.float32) * np.repeat(decoded.scales, g, axis=1)
+    numbers = IQ4_GRID[decoded.codes] if decoded.kind == "iq4" else decoded.codes.astype(np.float32)
+    out = numbers * np.repeat(decoded.scales, g, axis=1)
     if decoded.mins is not None:
         out = out + np.repeat(decoded.mins, g, axis=1)
     return out
@@ -209,7 +214,7 @@ def test_decoded_blocks_feed_the_quantized_weight_layout(name):
     raw = random_blocks(name, ROWS, K, seed=20 + SUPPORTED.index(name))
     d = decode_blocks(raw, name, K)
     codes = torch.from_numpy(d.codes)
-    if d.kind == "int4":
+    if d.kind in ("int4", "iq4"):
         codes = qweight.pack_int4(codes)
     qw = qweight.QuantizedWeight(d.kind, codes, torch.from_numpy(d.scales),
                                  None if d.mins is None else torch.from_numpy(d.mins), d.group_size, ROWS, K)

@@ -29,8 +29,11 @@ from kvtide.layers.quantization.qweight import (
 )
 
 ISAS = available_isas()
-KIND = {"int8": 0, "int4": 1, "fp8": 2}
-"""The op's `kind` argument, as the C++ source numbers them (kInt8, kInt4, kFp8)."""
+KIND = {"int8": 0, "int4": 1, "fp8": 2, "iq4": 4}
+"""The op's `kind` argument, as the C++ source numbers them (kInt8, kInt4, kFp8, kIq4)."""
+IQ4_GRID = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                        dtype=torch.float64)
+"""GGUF's IQ4_NL levels (ggml's kvalues_iq4nl): an iq4 code is an index into them."""
 U = 2.0 ** -24
 """float32 unit roundoff."""
 NAN_PATTERNS = (0x7F, 0xFF)
@@ -75,6 +78,8 @@ def code_numbers(qw: QuantizedWeight) -> torch.Tensor:
     """The codes as float64 numbers (N, K)."""
     if qw.kind == "int4":
         return my_unpack_int4(qw.codes).double()
+    if qw.kind == "iq4":
+        return IQ4_GRID[my_unpack_int4(qw.codes)]
     if qw.kind == "fp8":
         return qw.codes.view(torch.float8_e4m3fn).double()
     return qw.codes.double()
@@ -129,7 +134,7 @@ def make_weight(kind: str, n: int, k: int, group: int | None, mins: bool, seed: 
     groups = k // group
     if kind == "int8":
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: checkpoints have it
-    elif kind == "int4":
+    elif kind in ("int4", "iq4"):
         codes = _pack_by_hand(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
     else:
         codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
@@ -162,6 +167,8 @@ WEIGHT_CASES = {
     "int4-g64": ("int4", 64, True, (64, 256)),
     "int4-g128": ("int4", 128, True, (256,)),
     "int4-channel": ("int4", None, True, (64, 256)),
+    "iq4-g32": ("iq4", 32, False, (64, 256)),  # GGUF's IQ4_NL / IQ4_XS
+    "iq4-channel": ("iq4", None, False, (256,)),
     "fp8-channel": ("fp8", None, False, (64, 100, 256)),  # K=100: scalar loop
     "fp8-g32": ("fp8", 32, False, (256,)),
 }
@@ -361,7 +368,7 @@ def _op_bad_inputs():
         "float64 scales": ({**base8, "scales": qw8.scales.double()}, "scales must be float32"),
         "mins of the wrong shape": ({**base4, "mins": torch.zeros(8, 1)}, "mins must be float32 like scales"),
         "float64 mins": ({**base4, "mins": qw4.mins.double()}, "mins must be float32 like scales"),
-        "unknown kind": ({**base8, "kind": 4}, "unknown quantized kind 4"),
+        "unknown kind": ({**base8, "kind": 5}, "unknown quantized kind 5"),
         "float64 x": ({**base8, "x": x.double()}, "x and out must be float32"),
         "out of the wrong shape": ({**base8, "out": torch.empty(2, 9)}, r"out must be \(M, N\)"),
         "strided x": ({**base8, "x": torch.randn(2, 128)[:, ::2]}, "x and out must be contiguous 2-D"),
@@ -491,6 +498,18 @@ def test_promote_preserves_the_dequantized_values(source, k, kind, group):
     linear, rows = ops(ISAS[0])
     x = torch.randn(5, k, generator=_gen(1))
     assert_linear_close(run_linear(linear, x, promoted), x, qw, f"promoted {source}")
+
+
+def test_promote_writes_iq4_levels_as_int8_codes():
+    """iq4 -> int8 (a fused layer mixing IQ4 with other GGUF types, or an accelerator): the levels
+    become the codes, every value exact."""
+    qw = case_weight("iq4-g32", 64, 24, seed=5)
+    promoted = promote(qw, "int8", 16)
+    assert promoted.codes.dtype == torch.int8 and promoted.mins is None
+    assert set(promoted.codes.unique().tolist()) <= set(IQ4_GRID.long().tolist())
+    assert torch.equal(exact_weight(promoted)[0], exact_weight(qw)[0])
+    with pytest.raises(ValueError, match="cannot promote a iq4 weight to int4"):
+        promote(qw, "int4", 32)
 
 
 def test_promote_refuses_what_it_cannot_represent():

@@ -23,11 +23,13 @@ from kvtide.attention.cpu_extension import available_isas, load_cpu_op
 from kvtide.layers import fused_decode
 from kvtide.layers.quantization import cpu_kernels
 
+CODES = {"int8": (torch.int8, 1), "iq4": (torch.uint8, 2)}
+"""Kind -> the codes' dtype and weights per byte (int8 one, iq4 two nibbles)."""
 HELD = {  # GGUF type: (kind, group size, has mins) as layers/quantization/gguf.py documents it
     "Q5_0": ("int8", 32, False),   # codes q - 16
     "Q5_1": ("int8", 32, True),    # codes q, min m
-    "IQ4_NL": ("int8", 32, False),  # codes: the 16 levels themselves
-    "IQ4_XS": ("int8", 32, False),
+    "IQ4_NL": ("iq4", 32, False),  # codes: the nibbles, indices into the 16-level grid
+    "IQ4_XS": ("iq4", 32, False),
     "Q2_K": ("int8", 16, True),    # 16-weight sub-blocks
     "Q3_K": ("int8", 16, False),
 }
@@ -48,19 +50,23 @@ SMALL = dict(intermediate_size=384)
 """Rows of 32-weight blocks (Q5_0, Q5_1, IQ4_NL)."""
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 """Rows of 256-weight super-blocks (Q2_K, Q3_K, IQ4_XS)."""
-FILES = {  # name: (config, {GGUF name substring: type}, the type of each module kind)
-    "block32": (SMALL, {"attn": "Q5_0", "ffn": "Q5_1", "token_embd": "Q5_0", "default": "IQ4_NL"},
-                {"attn": "Q5_0", "ffn": "Q5_1", "embed": "Q5_0", "lm_head": "IQ4_NL"}),
-    "super256": (WIDE, {"attn": "Q3_K", "ffn": "Q2_K", "token_embd": "Q2_K", "default": "IQ4_XS"},
-                 {"attn": "Q3_K", "ffn": "Q2_K", "embed": "Q2_K", "lm_head": "IQ4_XS"}),
+FILES = {  # name: (config, {GGUF name substring: type}, first match wins), the type of each module
+    "block32": (SMALL, {"attn": "Q5_0", "ffn_down": "IQ4_NL", "ffn": "Q5_1", "token_embd": "IQ4_NL",
+                        "default": "Q5_1"},
+                {"qkv": "Q5_0", "o": "Q5_0", "gate_up": "Q5_1", "down": "IQ4_NL", "embed": "IQ4_NL",
+                 "lm_head": "Q5_1"}),
+    "super256": (WIDE, {"attn_output": "IQ4_XS", "ffn_down": "Q3_K", "attn": "Q3_K", "ffn": "Q2_K",
+                        "token_embd": "Q2_K", "default": "IQ4_XS"},
+                 {"qkv": "Q3_K", "o": "IQ4_XS", "gate_up": "Q2_K", "down": "Q3_K", "embed": "Q2_K",
+                  "lm_head": "IQ4_XS"}),
 }
 KERNEL_TENSORS = {  # type: (file, a tensor of that type stored unpermuted, the module holding it)
     "Q5_0": ("block32", "blk.1.attn_output.weight", "layers.1.self_attn.o_proj"),
-    "Q5_1": ("block32", "blk.0.ffn_down.weight", "layers.0.mlp.down_proj"),
-    "IQ4_NL": ("block32", "output.weight", "lm_head"),
-    "Q3_K": ("super256", "blk.1.attn_output.weight", "layers.1.self_attn.o_proj"),
-    "Q2_K": ("super256", "blk.0.ffn_down.weight", "layers.0.mlp.down_proj"),
-    "IQ4_XS": ("super256", "output.weight", "lm_head"),
+    "Q5_1": ("block32", "output.weight", "lm_head"),
+    "IQ4_NL": ("block32", "blk.0.ffn_down.weight", "layers.0.mlp.down_proj"),
+    "Q3_K": ("super256", "blk.1.ffn_down.weight", "layers.1.mlp.down_proj"),
+    "Q2_K": ("super256", "token_embd.weight", "embed_tokens"),
+    "IQ4_XS": ("super256", "blk.0.attn_output.weight", "layers.0.self_attn.o_proj"),
 }
 PROMPTS = ["The quick brown fox", "def add(a, b):", "机器学习 🙂 café", "Hello"]
 MAX_TOKENS = 12
@@ -143,10 +149,11 @@ def test_loads_held_quantized_runs_fused_and_equals_transformers(files, engines,
     monkeypatch.setattr(fused_decode.FusedDecodeLayers, "run", counted)
     llm = engines(name)
     model = model_of(llm)
-    modules = {"embed": [(model.embed_tokens, 1)], "lm_head": [(model.lm_head, 1)]}
-    for layer in model.layers:
-        modules.setdefault("attn", []).extend([(layer.self_attn.qkv_proj, 3), (layer.self_attn.o_proj, 1)])
-        modules.setdefault("ffn", []).extend([(layer.mlp.gate_up_proj, 2), (layer.mlp.down_proj, 1)])
+    modules = {"embed": [(model.embed_tokens, 1)], "lm_head": [(model.lm_head, 1)],
+               "qkv": [(layer.self_attn.qkv_proj, 3) for layer in model.layers],
+               "o": [(layer.self_attn.o_proj, 1) for layer in model.layers],
+               "gate_up": [(layer.mlp.gate_up_proj, 2) for layer in model.layers],
+               "down": [(layer.mlp.down_proj, 1) for layer in model.layers]}
     for role, held in modules.items():
         gguf_type = roles[role]
         kind, group, has_mins = HELD[gguf_type]
@@ -154,7 +161,9 @@ def test_loads_held_quantized_runs_fused_and_equals_transformers(files, engines,
             qw = module.quantized
             assert module.gguf_types == (gguf_type,) * shards, role
             assert "weight" not in module._parameters, role  # no float copy beside the codes
-            assert qw.kind == kind and qw.codes.dtype == torch.int8, role
+            dtype, per_byte = CODES[kind]
+            assert qw.kind == kind and qw.codes.dtype == dtype, role
+            assert qw.codes.shape == (qw.out_features, qw.in_features // per_byte), role
             assert (qw.group_size, qw.mins is not None) == (group, has_mins), role
             assert qw.scales.shape == (qw.out_features, qw.in_features // group)
     # The table stays quantized: a lookup dequantizes just the rows asked for, gguf's values.

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtide.layers.quantization.qweight import IQ4_LEVELS
+
 SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 # (weights per block, bytes per block), as in ggml's GGML_QUANT_SIZES.
@@ -39,17 +41,16 @@ _BLOCK = {
     "IQ4_XS": (256, 136),  # f16 d | u16 scales_h | u8 scales_l[4] | u8 qs[128]
 }
 
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-"""The 16 levels an IQ4_NL / IQ4_XS nibble indexes (ggml's kvalues_iq4nl): a non-uniform grid, denser
-near zero, that the format multiplies by its scale. Kept as int8 codes, the levels are the codes
-themselves, so the linear kernels need no table."""
+IQ4_VALUES = IQ4_LEVELS.numpy()
+"""The 16 levels an IQ4_NL / IQ4_XS nibble indexes: the nibbles are kept as they are (the iq4 kind),
+the kernels look the levels up."""
 
 
 @dataclass
 class DecodedBlocks:
     """One tensor's blocks as integer codes and float32 per-group numbers (the qweight layout,
     except that int4 codes are one per byte, not nibble-packed)."""
-    kind: str                # "int4" (uint8 codes 0..15) or "int8" (int8 codes)
+    kind: str                # "int4" (uint8 codes 0..15), "iq4" (uint8 level indices 0..15) or "int8"
     codes: np.ndarray        # (rows, k)
     scales: np.ndarray       # (rows, k // group_size) float32
     mins: np.ndarray | None  # (rows, k // group_size) float32, None for symmetric types
@@ -58,6 +59,8 @@ class DecodedBlocks:
     def values(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Rows [start, end) as float32: scales * codes + mins."""
         codes = self.codes[start:end]
+        if self.kind == "iq4":
+            codes = IQ4_VALUES[codes]
         rows, k = codes.shape
         g = self.group_size
         out = codes.reshape(rows, k // g, g).astype(np.float32)
@@ -175,7 +178,7 @@ def _decode_q3_k(b: np.ndarray):
 
 
 def _decode_iq4_nl(b: np.ndarray):
-    return "int8", IQ4_VALUES[_nibbles_32(b[:, 2:18])], _f16(b, 0)[:, None], None, 32
+    return "iq4", _nibbles_32(b[:, 2:18]), _f16(b, 0)[:, None], None, 32
 
 
 def _decode_iq4_xs(b: np.ndarray):
@@ -189,7 +192,7 @@ def _decode_iq4_xs(b: np.ndarray):
     high = ((scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
     sub = (low | (high << 4)).view(np.int8) - np.int8(32)
     scales = _f16(b, 0)[:, None] * sub.astype(np.float32)
-    return "int8", IQ4_VALUES[_nibbles_32(b[:, 8:136])], scales, None, 32
+    return "iq4", _nibbles_32(b[:, 8:136]), scales, None, 32
 
 
 def _k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
