@@ -24,8 +24,8 @@ EXPECTED = {
     "Q4_1": ("int4", np.uint8, (0, 15), 32, True),
     "Q5_0": ("int8", np.int8, (-16, 15), 32, False),
     "Q5_1": ("int8", np.int8, (0, 31), 32, True),
-    "Q2_K": ("int8", np.int8, (0, 3), 16, True),
-    "Q3_K": ("int8", np.int8, (-4, 3), 16, False),
+    "Q2_K": ("int4", np.uint8, (0, 3), 16, True),
+    "Q3_K": ("int4", np.uint8, (0, 7), 16, True),  # q + 4, the shift in the mins
     "IQ4_NL": ("iq4", np.uint8, (0, 15), 32, False),  # indices into the level grid
     "IQ4_XS": ("iq4", np.uint8, (0, 15), 32, False),
     "Q4_K": ("int4", np.uint8, (0, 15), 32, True),

@@ -167,6 +167,7 @@ WEIGHT_CASES = {
     "int4-g64": ("int4", 64, True, (64, 256)),
     "int4-g128": ("int4", 128, True, (256,)),
     "int4-channel": ("int4", None, True, (64, 256)),
+    "int4-g16": ("int4", 16, True, (64, 256)),  # GGUF's Q2_K / Q3_K sub-blocks
     "iq4-g32": ("iq4", 32, False, (64, 256)),  # GGUF's IQ4_NL / IQ4_XS
     "iq4-channel": ("iq4", None, False, (256,)),
     "fp8-channel": ("fp8", None, False, (64, 100, 256)),  # K=100: scalar loop
@@ -361,8 +362,10 @@ def _op_bad_inputs():
         "group 24 does not divide 64": ({**base8, "scales": torch.ones(8, 2), "group": 24},
                                         "group size must divide K"),
         "group 0": ({**base8, "group": 0}, "group size must divide K"),
-        "int4 group 16": ({**base4, "scales": torch.ones(8, 4), "mins": torch.zeros(8, 4), "group": 16},
-                          "int4 groups must be multiples of 32"),
+        "int4 group 8": ({**base4, "scales": torch.ones(8, 8), "mins": torch.zeros(8, 8), "group": 8},
+                         "int4 groups must be 16 or multiples of 32"),
+        "int8 activations in groups of 16": ({**base4, "scales": torch.ones(8, 4), "mins": torch.zeros(8, 4),
+                                              "group": 16, "kind": 3}, "int8 activations need int4 groups"),
         "scales per channel for group 32": ({**base8, "scales": torch.ones(8, 1)},
                                             r"scales must be \(N, K / group\)"),
         "float64 scales": ({**base8, "scales": qw8.scales.double()}, "scales must be float32"),
@@ -406,7 +409,9 @@ QW_BAD = {
     "group 0": (dict(group_size=0), "group size 0 does not divide"),
     "group 48 of K 64": (dict(group_size=48, scales=torch.ones(4, 1), mins=torch.zeros(4, 1)),
                          "group size 48 does not divide the input dimension 64"),
-    "int4 group 16": (dict(group_size=16, scales=torch.ones(4, 4), mins=torch.zeros(4, 4)), "multiples of 32"),
+    "int4 group 8": (dict(group_size=8, scales=torch.ones(4, 8), mins=torch.zeros(4, 8)), "multiples of 32"),
+    "int8 activations in groups of 16": (dict(group_size=16, scales=torch.ones(4, 4), mins=torch.zeros(4, 4),
+                                              int8_activations=True), "int8 activations need int4 groups"),
     "int4 K 48": (dict(in_features=48, group_size=48, codes=torch.zeros(4, 24, dtype=torch.uint8),
                        scales=torch.ones(4, 1), mins=torch.zeros(4, 1)), "multiples of 32"),
     "int4 codes unpacked": (dict(codes=torch.zeros(4, 64, dtype=torch.uint8)), r"torch.uint8 \(4, 32\)"),
@@ -520,8 +525,8 @@ def test_promote_refuses_what_it_cannot_represent():
         promote(case_weight("int8-g32", 64, 4, seed=1), "int4", 32)
     with pytest.raises(ValueError, match="cannot promote a fp8 weight to int8"):
         promote(case_weight("fp8-channel", 64, 4, seed=1), "int8", 64)
-    with pytest.raises(ValueError, match="multiples of 32"):  # int4 groups of 16 do not exist
-        promote(qw4, "int4", 16)
+    with pytest.raises(ValueError, match="multiples of 32"):  # int4 groups of 8 do not exist
+        promote(qw4, "int4", 8)
 
 
 def test_fp8_weights_with_nan_codes_are_refused_at_load():

@@ -23,15 +23,15 @@ from kvtide.attention.cpu_extension import available_isas, load_cpu_op
 from kvtide.layers import fused_decode
 from kvtide.layers.quantization import cpu_kernels
 
-CODES = {"int8": (torch.int8, 1), "iq4": (torch.uint8, 2)}
-"""Kind -> the codes' dtype and weights per byte (int8 one, iq4 two nibbles)."""
+CODES = {"int8": (torch.int8, 1), "int4": (torch.uint8, 2), "iq4": (torch.uint8, 2)}
+"""Kind -> the codes' dtype and weights per byte (int8 one, int4 and iq4 two nibbles)."""
 HELD = {  # GGUF type: (kind, group size, has mins) as layers/quantization/gguf.py documents it
     "Q5_0": ("int8", 32, False),   # codes q - 16
     "Q5_1": ("int8", 32, True),    # codes q, min m
     "IQ4_NL": ("iq4", 32, False),  # codes: the nibbles, indices into the 16-level grid
     "IQ4_XS": ("iq4", 32, False),
-    "Q2_K": ("int8", 16, True),    # 16-weight sub-blocks
-    "Q3_K": ("int8", 16, False),
+    "Q2_K": ("int4", 16, True),    # 16-weight sub-blocks
+    "Q3_K": ("int4", 16, True),    # codes q + 4, min -4 s
 }
 LOGPROB_TOL = dict.fromkeys(HELD, 1e-4)
 """Per type: every type decodes into codes and float32 scales that reproduce gguf's dequantized

@@ -1,14 +1,14 @@
 """GGUF checkpoints kept quantized: each linear (and the token table) keeps its ggml blocks' codes
 in the engine's QuantizedWeight layout instead of being dequantized to float at load.
 
-Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; IQ4_NL, IQ4_XS -> iq4 (their nibbles,
-indices into the level grid) in groups of 32; Q8_0, Q5_0, Q5_1, Q5_K -> int8 in groups of 32; Q2_K,
-Q3_K, Q6_K -> int8 in groups of 16 (their sub-blocks; nibble groups are 32 wide) (gguf_codecs.py
+Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q2_K, Q3_K -> int4 in groups of 16 (their
+sub-blocks); IQ4_NL, IQ4_XS -> iq4 (their nibbles, indices into the level grid) in groups of 32;
+Q8_0, Q5_0, Q5_1, Q5_K -> int8 in groups of 32; Q6_K -> int8 in groups of 16 (gguf_codecs.py
 decodes the blocks, every value exactly). F32/F16/BF16 tensors stay float. A fused layer whose shards
 come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K) takes their kind if they share
 one, else int8, and the finest group of its shards, with each shard promoted to it (qweight.promote),
-so the fused projection stays one kernel call. On an accelerator an iq4 layer is held as int8 (the
-Triton kernels read int8, int4 and fp8 codes).
+so the fused projection stays one kernel call. On an accelerator iq4 and int4 in groups of 16 are
+held as int8 (the Triton kernels read int8, int4 in whole 32-blocks and fp8 codes).
 
 The iterator (models/gguf_checkpoint.py) yields for a kept-quantized tensor `<module>.gguf_codes`,
 `.gguf_scales` and `.gguf_mins` in the layer's chosen layout; the parameters here receive them.
@@ -29,15 +29,15 @@ from kvtide.layers.quantization.base import (
     drop_parameters,
     quant_parameter,
 )
-from kvtide.layers.quantization.qweight import NIBBLE_KINDS, QuantizedWeight, promote
+from kvtide.layers.quantization.qweight import INT4_BLOCK, NIBBLE_KINDS, QuantizedWeight, promote
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
 FORMATS = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q4_K": ("int4", 32),
            "Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q5_1": ("int8", 32), "Q5_K": ("int8", 32),
            "IQ4_NL": ("iq4", 32), "IQ4_XS": ("iq4", 32),
-           "Q2_K": ("int8", 16), "Q3_K": ("int8", 16), "Q6_K": ("int8", 16)}
+           "Q2_K": ("int4", 16), "Q3_K": ("int4", 16), "Q6_K": ("int8", 16)}
 """GGUF tensor type -> (kind, group size) it is kept in."""
-HAS_MINS = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
+HAS_MINS = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PARAMS = ("gguf_codes", "gguf_scales", "gguf_mins")
 
@@ -79,7 +79,7 @@ class GGUFMethod(WeightOnlyMethod):
         n, k = layer.weight_shape
         mins = layer.gguf_mins.data if self.has_mins else None
         qw = QuantizedWeight(self.kind, layer.gguf_codes.data, layer.gguf_scales.data, mins, self.group_size, n, k)
-        if qw.kind == "iq4" and qw.codes.device.type != "cpu":
+        if qw.codes.device.type != "cpu" and (qw.kind == "iq4" or (qw.kind == "int4" and qw.group_size % INT4_BLOCK)):
             qw = promote(qw, "int8", qw.group_size)
         drop_parameters(layer, *PARAMS)
         layer.gguf_types = self.gguf_types  # what the file stored, beside the layout it is held in

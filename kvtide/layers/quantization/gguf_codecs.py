@@ -154,7 +154,7 @@ def _decode_q2_k(b: np.ndarray):
     sc = b[:, 0:16]
     scales = _f16(b, 80)[:, None] * (sc & 0x0F).astype(np.float32)
     mins = -(_f16(b, 82)[:, None] * (sc >> 4).astype(np.float32))
-    return "int8", _two_bit_planes(b[:, 16:80]).view(np.int8), scales, mins, 16
+    return "int4", _two_bit_planes(b[:, 16:80]), scales, mins, 16
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -168,13 +168,15 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
 
 
 def _decode_q3_k(b: np.ndarray):
-    # w = (d * sc) * q with q = (low two bits) - 4 where the weight's hmask bit is clear: -4..3.
+    # w = (d * sc) * q with q = (low two bits) - 4 where the weight's hmask bit is clear: -4..3,
+    # kept as the unsigned code q + 4 (the low bits plus 4 times the hmask bit, 0..7) and a min of
+    # -4 (d * sc): s * (q + 4) - 4 s rounds to the same float32 as ggml's s * q in one FMA.
     # Bit i of hmask[l] belongs to weight 32 * i + l.
     n = b.shape[0]
     hbit = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    q = _two_bit_planes(b[:, 32:96]).view(np.int8) - ((1 - hbit.reshape(n, 256)) << 2).view(np.int8)
+    codes = _two_bit_planes(b[:, 32:96]) | (hbit.reshape(n, 256) << 2)
     scales = _f16(b, 108)[:, None] * _q3_k_scales(b[:, 96:108]).astype(np.float32)
-    return "int8", q, scales, None, 16
+    return "int4", codes, scales, scales * np.float32(-4.0), 16
 
 
 def _decode_iq4_nl(b: np.ndarray):

@@ -16,8 +16,9 @@ kinds and their `codes` tensor, for an (N, K) weight:
         is that level): GGUF's IQ4_NL / IQ4_XS grid, kept at half a byte a weight.
 
 `scales`/`mins` are float32 (N, K // group_size); group_size divides K (K for per-channel). An
-int4 or iq4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 32-block) —
-group_size 16 exists only for int8 (Q6_K). `input_perm` (K,) int64, when set, says the codes'
+int4 or iq4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 32-block) or
+group_size 16 (GGUF's Q2_K/Q3_K sub-blocks: a block's low nibbles one group, its high nibbles the
+next; weight-only: int8 activations need whole blocks). int8 takes any group size (Q6_K's 16). `input_perm` (K,) int64, when set, says the codes'
 column k holds the checkpoint's input column input_perm[k]: the layer computes
 x[:, input_perm] @ w.T (GPTQ act-order, whose groups are contiguous only after that sort).
 `int8_activations` (int4 only) asks the CPU kernels to round the activations to int8 per 32-block
@@ -59,9 +60,9 @@ class QuantizedWeight:
             raise ValueError(f"quantized weight kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if g < 1 or k % g:
             raise ValueError(f"group size {g} does not divide the input dimension {k}")
-        if self.kind in NIBBLE_KINDS and (k % INT4_BLOCK or g % INT4_BLOCK):
+        if self.kind in NIBBLE_KINDS and (k % INT4_BLOCK or (g % INT4_BLOCK and g != INT4_BLOCK // 2)):
             raise ValueError(f"{self.kind} weights need the input dimension ({k}) and group size ({g}) to be "
-                             f"multiples of {INT4_BLOCK}")
+                             f"multiples of {INT4_BLOCK} (or a group size of {INT4_BLOCK // 2})")
         codes_shape = (n, k // 2) if self.kind in NIBBLE_KINDS else (n, k)
         codes_dtype = torch.int8 if self.kind == "int8" else torch.uint8
         if tuple(self.codes.shape) != codes_shape or self.codes.dtype != codes_dtype:
@@ -72,6 +73,8 @@ class QuantizedWeight:
                 raise ValueError(f"{name} must be float32 {(n, k // g)}; got {t.dtype} {tuple(t.shape)}")
         if self.int8_activations and self.kind != "int4":
             raise ValueError(f"int8 activations are implemented for int4 weights, not {self.kind}")
+        if self.int8_activations and g % INT4_BLOCK:
+            raise ValueError(f"int8 activations need int4 groups that are multiples of {INT4_BLOCK}; got {g}")
         if self.input_perm is not None and tuple(self.input_perm.shape) != (k,):
             raise ValueError(f"input_perm must have {k} entries; got {tuple(self.input_perm.shape)}")
 

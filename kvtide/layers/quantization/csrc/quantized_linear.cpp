@@ -5,7 +5,9 @@
 //   codes: int8 (N, K) | int4: uint8 (N, K/2), 32-blocks of nibbles | fp8: uint8 e4m3 bits (N, K)
 //          | iq4: int4's nibbles, each an index into kIq4Levels (GGUF's IQ4_NL/IQ4_XS grid)
 //   scales, mins: float32 (N, K / group); w[n, k] = scales[n, g] * code[n, k] + mins[n, g]
-//   (the layout of layers/quantization/qweight.py)
+//   (the layout of layers/quantization/qweight.py). Nibble groups are multiples of 32 or exactly
+//   16 (GGUF's Q2_K/Q3_K sub-blocks: a 32-block's low nibbles are one group, its high nibbles the
+//   next).
 //
 // quantized_linear: each weight vector is dequantized in registers (one FMA) and multiplied into up
 // to kRows activation rows at once, so a weight row is read once per kRows rows; work is split
@@ -242,6 +244,26 @@ inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
   const float* mrow = w.mins ? w.mins + n * w.groups : nullptr;
   const float factor = w.kind == kFp8 ? kFp8Factor : 1.0f;
   const bool pairs = w.group % (2 * kLanes) == 0;
+  if ((w.kind == kInt4 || w.kind == kIq4) && w.group == 16) {
+    // Two groups a 32-block: vector i holds codes i * kLanes.., in the block's group i * kLanes / 16.
+    for (int64_t g = 0; g < w.groups; g += 2) {
+      const int64_t k0 = g * 16;
+      VecF q[32 / kLanes];
+      if (w.kind == kIq4) {
+        load_iq4_block(row + k0 / 2, q);
+      } else {
+        load_int4_block(row + k0 / 2, q);
+      }
+      const VecF s[2] = {vset1(srow[g]), vset1(srow[g + 1])};
+      const VecF m[2] = {mrow ? vset1(mrow[g]) : vzero(), mrow ? vset1(mrow[g + 1]) : vzero()};
+      for (int64_t i = 0; i < 32 / kLanes; i += 2) {
+        const int64_t h0 = i * kLanes / 16, h1 = (i + 1) * kLanes / 16;
+        f(Slot0{}, k0 + i * kLanes, vfma(q[i], s[h0], m[h0]));
+        f(Slot1{}, k0 + (i + 1) * kLanes, vfma(q[i + 1], s[h1], m[h1]));
+      }
+    }
+    return;
+  }
   for (int64_t g = 0; g < w.groups; ++g) {
     VecF s = vset1(srow[g] * factor);
     VecF m = mrow ? vset1(mrow[g]) : vzero();
@@ -538,13 +560,14 @@ void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t
 
 Weight make_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                    int64_t kind, int64_t group_size, int64_t k) {
+  TORCH_CHECK(kind != kInt4A8 || group_size % 32 == 0, "int8 activations need int4 groups that are multiples of 32");
   if (kind == kInt4A8) kind = kInt4;  // the same codes; only the activations differ
   TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8 || kind == kIq4, "unknown quantized kind ", kind);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
   TORCH_CHECK(group_size > 0 && k % group_size == 0, "group size must divide K");
   const bool nibbles = kind == kInt4 || kind == kIq4;
-  TORCH_CHECK(!nibbles || group_size % 32 == 0, "int4 groups must be multiples of 32");
+  TORCH_CHECK(!nibbles || group_size % 32 == 0 || group_size == 16, "int4 groups must be 16 or multiples of 32");
   const int64_t row_bytes = nibbles ? k / 2 : k;
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) == row_bytes && codes.scalar_type() == (kind == kInt8 ? at::kChar : at::kByte),
               "codes must be ", kind == kInt8 ? "int8" : "uint8", " with ", row_bytes, " bytes per row");
