@@ -1,7 +1,8 @@
 """GGUF's Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS kept quantized: files written in the test (Q5_0
 and Q5_1 by the `gguf` package's quantizers, the others by tests/gguf_reference_quants.py, whose
 packing is checked against gguf's dequantization) load with each linear and the token table held in
-the layout the type is documented to keep; the compiled kernels of every ISA build this CPU runs
+the layout the type is documented to keep (a fused layer mixing them with a wider type, as llama.cpp's
+mixes do, in the layout its shards are promoted to); the compiled kernels of every ISA build this CPU runs
 reproduce the float64 product with gguf's dequantized weights; the fused decode layers run on them;
 greedy tokens and logprobs equal transformers' on the same file."""
 
@@ -50,7 +51,8 @@ SMALL = dict(intermediate_size=384)
 """Rows of 32-weight blocks (Q5_0, Q5_1, IQ4_NL)."""
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 """Rows of 256-weight super-blocks (Q2_K, Q3_K, IQ4_XS)."""
-FILES = {  # name: (config, {GGUF name substring: type}, first match wins), the type of each module
+FILES = {  # name: (config, {GGUF name substring: type, first match wins}, each module's type, or its
+    #        shards' types and the layout they are promoted to together)
     "block32": (SMALL, {"attn": "Q5_0", "ffn_down": "IQ4_NL", "ffn": "Q5_1", "token_embd": "IQ4_NL",
                         "default": "Q5_1"},
                 {"qkv": "Q5_0", "o": "Q5_0", "gate_up": "Q5_1", "down": "IQ4_NL", "embed": "IQ4_NL",
@@ -59,6 +61,12 @@ FILES = {  # name: (config, {GGUF name substring: type}, first match wins), the 
                         "token_embd": "Q2_K", "default": "IQ4_XS"},
                  {"qkv": "Q3_K", "o": "IQ4_XS", "gate_up": "Q2_K", "down": "Q3_K", "embed": "Q2_K",
                   "lm_head": "IQ4_XS"}),
+    # As llama.cpp's mixes do: a wider type beside the narrow one in a fused layer, both promoted.
+    "mixed": (WIDE, {"attn_v": "Q6_K", "attn": "Q3_K", "ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ4_XS",
+                     "token_embd": "Q3_K", "default": "Q2_K"},
+              {"qkv": (("Q3_K", "Q3_K", "Q6_K"), ("int8", 16, True)), "o": "Q3_K",
+               "gate_up": (("IQ4_XS", "Q2_K"), ("int8", 16, True)), "down": "IQ4_XS", "embed": "Q3_K",
+               "lm_head": "Q2_K"}),
 }
 KERNEL_TENSORS = {  # type: (file, a tensor of that type stored unpermuted, the module holding it)
     "Q5_0": ("block32", "blk.1.attn_output.weight", "layers.1.self_attn.o_proj"),
@@ -155,11 +163,12 @@ def test_loads_held_quantized_runs_fused_and_equals_transformers(files, engines,
                "gate_up": [(layer.mlp.gate_up_proj, 2) for layer in model.layers],
                "down": [(layer.mlp.down_proj, 1) for layer in model.layers]}
     for role, held in modules.items():
-        gguf_type = roles[role]
-        kind, group, has_mins = HELD[gguf_type]
+        spec = roles[role]
+        shard_types, layout = spec if isinstance(spec, tuple) else (None, HELD[spec])
+        kind, group, has_mins = layout
         for module, shards in held:
             qw = module.quantized
-            assert module.gguf_types == (gguf_type,) * shards, role
+            assert module.gguf_types == (shard_types or (spec,) * shards), role
             assert "weight" not in module._parameters, role  # no float copy beside the codes
             dtype, per_byte = CODES[kind]
             assert qw.kind == kind and qw.codes.dtype == dtype, role
@@ -175,7 +184,8 @@ def test_loads_held_quantized_runs_fused_and_equals_transformers(files, engines,
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params)
     assert model.fused_decode is not None and runs and set(runs) == {model.fused_decode}
-    tol = min(LOGPROB_TOL[t] for t in roles.values())
+    tol = min(LOGPROB_TOL.get(t, 1e-4) for spec in roles.values()
+              for t in (spec[0] if isinstance(spec, tuple) else (spec,)))
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         ref_tokens, ref_logprobs = hf_greedy(files[name], tuple(out.prompt_token_ids))
         got = out.outputs[0].token_ids
