@@ -178,6 +178,7 @@ def build_engine_core(args: EngineArgs, data_parallel_rank: int | None = None) -
     config = config.replace_cache(num_blocks=num_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.cache_config.block_size,
                 num_blocks * executor.kv_bytes_per_block() / 2**20)
+    memory = _memory_budget(executor, model_dir, config, num_blocks * executor.kv_bytes_per_block())
     info = model_info(args, model_dir, config)
     connector = None
     if config.kv_transfer_config is not None:
@@ -185,8 +186,23 @@ def build_engine_core(args: EngineArgs, data_parallel_rank: int | None = None) -
 
         connector = make_kv_connector(config.kv_transfer_config, executor.runner, config.model_config.model)
         executor.runner.kv_connector = connector.worker
-    return EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code),
-                      connector, data_parallel_rank), info
+    core = EngineCore(config, executor, lambda: load_tokenizer(info.tokenizer_dir, args.trust_remote_code),
+                      connector, data_parallel_rank)
+    core.memory = memory
+    return core, info
+
+
+def _memory_budget(executor: Executor, model_dir: str, config: EngineConfig, kv_pool: int) -> dict[str, int] | None:
+    """The startup memory budget (worker/memory_budget.py) of the in-process runner, logged; None
+    for an executor without one."""
+    runner = getattr(executor, "runner", None)
+    if runner is None:
+        return None
+    from kvtide.worker.memory_budget import describe, memory_budget
+
+    budget = memory_budget(runner.model, runner.weight_bytes, kv_pool, model_dir, config.device_config.device)
+    logger.info(describe(budget))
+    return budget
 
 
 def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = None) -> ModelInfo:

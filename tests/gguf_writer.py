@@ -13,6 +13,7 @@ import os
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
+from gguf_reference_quants import REFERENCE_QUANTIZERS
 from safetensors.numpy import load_file
 
 _ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -210,6 +211,9 @@ def _add_tensor(writer: GGUFWriter, name: str, weight: np.ndarray, qtype: str, r
         writer.add_tensor(name, weight.astype(np.float16))
     elif qtype in K_QUANTS:
         data = random_k_quant(weight.shape[0], weight.shape[1], qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[qtype])
+    elif qtype in REFERENCE_QUANTIZERS:  # Q2_K, Q3_K, IQ4_NL, IQ4_XS: the weights, quantized here
+        data, _ = REFERENCE_QUANTIZERS[qtype](weight)
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[qtype])
     else:  # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's own quantizers
         t = GGMLQuantizationType[qtype]

@@ -102,6 +102,9 @@ class EngineCore:
             self._kv_event_recorder = KVEventRecorder()
             self.kv_events = KVEventPublisher(config.kv_events_config, data_parallel_rank)
             self.scheduler.kv_cache_manager.pool.event_sink = self._kv_event_recorder
+        self.memory: dict[str, int] | None = None
+        """Bytes by kind measured at startup (weights as stored and held, packed copies, KV pool,
+        runtime; worker/memory_budget.py), reported in the stats; None if not measured."""
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request; ValueError (nothing changed) if it can never run."""
@@ -278,6 +281,8 @@ class EngineCore:
         stats = self.scheduler.get_stats()
         if self.config.lora_config is not None:
             stats.lora = self._lora_stats()
+        if self.memory is not None:
+            stats.memory = dict(self.memory)
         return stats
 
     def _lora_stats(self) -> dict:

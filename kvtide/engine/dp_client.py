@@ -110,7 +110,7 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     total.kv_cache_usage = total.num_used_blocks / total.num_blocks if total.num_blocks else \
         sum(s.kv_cache_usage for s in stats) / len(stats)
     total.iteration_tokens = _sum_nested([s.iteration_tokens for s in stats])
-    for name in ("spec_decoding", "expert_load", "structured_output", "kv_connector"):
+    for name in ("spec_decoding", "expert_load", "structured_output", "kv_connector", "memory"):
         present = [getattr(s, name) for s in stats if getattr(s, name) is not None]
         setattr(total, name, _sum_nested(present) if present else None)
     if total.structured_output is not None:

@@ -74,4 +74,7 @@ class SchedulerStats:
     lora: dict | None = None
     """LoRA adapters: requests per adapter running and waiting, the resident ones, load times
     (lora/stats.py); None with LoRA off."""
+    memory: dict | None = None
+    """Bytes by kind measured at startup (worker/memory_budget.py KINDS, plus "resident"), None
+    where the engine did not measure them."""
     extra: dict = field(default_factory=dict)

@@ -37,8 +37,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 """GGUF general.architecture -> the transformers architecture kvtide serves it as."""
 
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                     "Q5_K", "Q6_K")
-"""Tensor types dequantized on load to the engine dtype."""
+                     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+"""Tensor types kvtide reads: the quantized ones stay quantized in the linears and the token table
+(layers/quantization/gguf.py); any other tensor of them is dequantized on load to the engine dtype."""
 
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 """llama.cpp's converter interleaves the rotary halves of q/k for these (its 'normal' rope); Qwen
@@ -396,7 +397,7 @@ def _kept_quantized(path: str, entry: dict[str, Any], raw: np.ndarray, layout: t
     from gguf import GGMLQuantizationType, dequantize
 
     from kvtide.layers.quantization.gguf_codecs import check_decoded, decode_blocks
-    from kvtide.layers.quantization.qweight import QuantizedWeight, pack_int4, promote
+    from kvtide.layers.quantization.qweight import NIBBLE_KINDS, QuantizedWeight, pack_int4, promote
 
     kind, group, has_mins = layout
     rows, k = int(np.prod(entry["shape"][:-1])), entry["shape"][-1]
@@ -413,7 +414,7 @@ def _kept_quantized(path: str, entry: dict[str, Any], raw: np.ndarray, layout: t
         codes, scales = _unpermute(codes, entry["permute_heads"]), _unpermute(scales, entry["permute_heads"])
         mins = None if mins is None else _unpermute(mins, entry["permute_heads"])
     codes_t = torch.from_numpy(np.ascontiguousarray(codes))
-    qw = QuantizedWeight(decoded.kind, pack_int4(codes_t) if decoded.kind == "int4" else codes_t,
+    qw = QuantizedWeight(decoded.kind, pack_int4(codes_t) if decoded.kind in NIBBLE_KINDS else codes_t,
                          torch.from_numpy(np.ascontiguousarray(scales)),
                          None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
                          decoded.group_size, rows, k)

@@ -29,6 +29,9 @@ quota_requests_total{key_name, outcome} (admitted, rejected_requests, rejected_t
 rejected_concurrency; unauthorized under key_name "unknown"), quota_tokens_total{key_name} and
 quota_inflight{key_name}, labelled by the key's name, never by the key.
 
+Memory (worker/memory_budget.py, measured at startup): memory_bytes{kind} with kind weights_stored,
+weights_held, packed_copies, kv_pool, runtime and resident, summed over data-parallel replicas.
+
 KV blocks are reported in three gauges, so a cache that filled up is not mistaken for a leak:
 
     kv_cache_blocks_total = in_use (held by requests) + evictable (free, still holding a cached
@@ -182,6 +185,10 @@ class ServerMetrics:
         self.lora_load_seconds = histogram("lora_adapter_load_seconds", "Time to load a LoRA adapter from disk "
                                            "into host memory (read, check, convert).", LORA_LOAD_BUCKETS)
         self._lora_loads_seen = 0
+        self.memory_bytes = Gauge("kvtide:memory_bytes", "Memory measured at startup, by kind: weights as stored "
+                                  "in the checkpoint and as held, packed weight copies, the KV pool, the rest of "
+                                  "the resident process (runtime) and the resident total.",
+                                  ["model_name", "kind"], registry=r)
         self._dp_last: dict[int, tuple[int, int]] = {}
         self._so_last_compile: dict[int, int] = {}
         self._so_last_invalid = 0
@@ -245,6 +252,8 @@ class ServerMetrics:
                 self.dp_waiting.labels(engine=str(engine), **self._labels).set(new_stats.num_waiting)
         self._set_expert_imbalance(stats.expert_load)
         self._update_lora(per_engine[0].lora)
+        for kind, value in (stats.memory or {}).items():
+            self.memory_bytes.labels(kind=kind, **self._labels).set(value)
         self._last_per_engine = list(per_engine)
 
     def _update_lora(self, lora: dict | None) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import IQ4_NL, dequantize, quantize
+from gguf_reference_quants import REFERENCE_QUANTIZERS
 
 from kvtide.layers.quantization import qweight
 from kvtide.layers.quantization.gguf_codecs import SUPPORTED, check_decoded, decode_blocks
@@ -21,6 +22,12 @@ EXPECTED = {
     "Q8_0": ("int8", np.int8, (-128, 127), 32, False),
     "Q4_0": ("int4", np.uint8, (0, 15), 32, True),
     "Q4_1": ("int4", np.uint8, (0, 15), 32, True),
+    "Q5_0": ("int8", np.int8, (-16, 15), 32, False),
+    "Q5_1": ("int8", np.int8, (0, 31), 32, True),
+    "Q2_K": ("int4", np.uint8, (0, 3), 16, True),
+    "Q3_K": ("int4", np.uint8, (0, 7), 16, True),  # q + 4, the shift in the mins
+    "IQ4_NL": ("iq4", np.uint8, (0, 15), 32, False),  # indices into the level grid
+    "IQ4_XS": ("iq4", np.uint8, (0, 15), 32, False),
     "Q4_K": ("int4", np.uint8, (0, 15), 32, True),
     "Q5_K": ("int8", np.int8, (0, 31), 32, True),
     "Q6_K": ("int8", np.int8, (-32, 31), 16, False),
@@ -32,6 +39,12 @@ F16_FIELDS = {
     "Q8_0": [(0, False)],
     "Q4_0": [(0, False)],
     "Q4_1": [(0, False), (2, True)],
+    "Q5_0": [(0, False)],
+    "Q5_1": [(0, False), (2, True)],
+    "Q2_K": [(80, False), (82, False)],
+    "Q3_K": [(108, False)],
+    "IQ4_NL": [(0, False)],
+    "IQ4_XS": [(0, False)],
     "Q4_K": [(0, False), (2, False)],
     "Q5_K": [(0, False), (2, False)],
     "Q6_K": [(208, False)],
@@ -66,10 +79,15 @@ def quantized_blocks(name: str, rows: int, k: int, seed: int) -> np.ndarray | No
         return None
 
 
+IQ4_GRID = np.array(IQ4_NL.kvalues, dtype=np.float32)
+"""The IQ4 level grid as the gguf package spells it (what an iq4 code indexes)."""
+
+
 def reconstruct(decoded) -> np.ndarray:
-    """scales * codes + mins, computed here independently of the module."""
+    """scales * codes + mins (iq4: scales * grid[code]), computed here independently of the module."""
     g = decoded.group_size
-    out = decoded.codes.astype(np.float32) * np.repeat(decoded.scales, g, axis=1)
+    numbers = IQ4_GRID[decoded.codes] if decoded.kind == "iq4" else decoded.codes.astype(np.float32)
+    out = numbers * np.repeat(decoded.scales, g, axis=1)
     if decoded.mins is not None:
         out = out + np.repeat(decoded.mins, g, axis=1)
     return out
@@ -104,15 +122,22 @@ def test_random_blocks_match_gguf_dequantize(name):
     assert decoded.codes.min() == lo and decoded.codes.max() == hi
 
 
-GGUF_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
-"""The types the gguf package itself can quantize (its K-quants are dequantize-only); the K-quants
-are covered by the random blocks above."""
+GGUF_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The types the gguf package itself can quantize (its K-quants and IQ types are dequantize-only);
+those are covered by the random blocks above and by tests/gguf_reference_quants.py's quantizers."""
 
 
 @pytest.mark.parametrize("name", GGUF_QUANTIZABLE)
 def test_gguf_quantized_weights_match_gguf_dequantize(name):
     raw = quantized_blocks(name, ROWS, K, seed=10 + SUPPORTED.index(name))
     assert raw is not None, f"gguf can no longer quantize {name}"
+    assert_matches_gguf(raw, name)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_QUANTIZERS))
+def test_reference_quantized_weights_match_gguf_dequantize(name):
+    weights = np.random.default_rng(30 + SUPPORTED.index(name)).standard_normal((ROWS, K)).astype(np.float32) * 0.05
+    raw, _ = REFERENCE_QUANTIZERS[name](weights)
     assert_matches_gguf(raw, name)
 
 
@@ -145,8 +170,8 @@ def test_multi_dim_raw_is_flattened_to_rows():
 
 def test_bad_input_raises():
     raw = random_blocks("Q8_0", 2, 64, seed=0)
-    with pytest.raises(ValueError, match="Q2_K"):
-        decode_blocks(raw, "Q2_K", 64)
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        decode_blocks(raw, "IQ2_XXS", 64)
     with pytest.raises(ValueError, match="bytes"):
         decode_blocks(raw, "Q8_0", 96)  # 96 weights would take 102 bytes, not 68
     with pytest.raises(ValueError, match="bytes"):
@@ -189,7 +214,7 @@ def test_decoded_blocks_feed_the_quantized_weight_layout(name):
     raw = random_blocks(name, ROWS, K, seed=20 + SUPPORTED.index(name))
     d = decode_blocks(raw, name, K)
     codes = torch.from_numpy(d.codes)
-    if d.kind == "int4":
+    if d.kind in ("int4", "iq4"):
         codes = qweight.pack_int4(codes)
     qw = qweight.QuantizedWeight(d.kind, codes, torch.from_numpy(d.scales),
                                  None if d.mins is None else torch.from_numpy(d.mins), d.group_size, ROWS, K)

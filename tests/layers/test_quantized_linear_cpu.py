@@ -29,8 +29,11 @@ from kvtide.layers.quantization.qweight import (
 )
 
 ISAS = available_isas()
-KIND = {"int8": 0, "int4": 1, "fp8": 2}
-"""The op's `kind` argument, as the C++ source numbers them (kInt8, kInt4, kFp8)."""
+KIND = {"int8": 0, "int4": 1, "fp8": 2, "iq4": 4}
+"""The op's `kind` argument, as the C++ source numbers them (kInt8, kInt4, kFp8, kIq4)."""
+IQ4_GRID = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                        dtype=torch.float64)
+"""GGUF's IQ4_NL levels (ggml's kvalues_iq4nl): an iq4 code is an index into them."""
 U = 2.0 ** -24
 """float32 unit roundoff."""
 NAN_PATTERNS = (0x7F, 0xFF)
@@ -75,6 +78,8 @@ def code_numbers(qw: QuantizedWeight) -> torch.Tensor:
     """The codes as float64 numbers (N, K)."""
     if qw.kind == "int4":
         return my_unpack_int4(qw.codes).double()
+    if qw.kind == "iq4":
+        return IQ4_GRID[my_unpack_int4(qw.codes)]
     if qw.kind == "fp8":
         return qw.codes.view(torch.float8_e4m3fn).double()
     return qw.codes.double()
@@ -129,7 +134,7 @@ def make_weight(kind: str, n: int, k: int, group: int | None, mins: bool, seed: 
     groups = k // group
     if kind == "int8":
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: checkpoints have it
-    elif kind == "int4":
+    elif kind in ("int4", "iq4"):
         codes = _pack_by_hand(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
     else:
         codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
@@ -162,6 +167,9 @@ WEIGHT_CASES = {
     "int4-g64": ("int4", 64, True, (64, 256)),
     "int4-g128": ("int4", 128, True, (256,)),
     "int4-channel": ("int4", None, True, (64, 256)),
+    "int4-g16": ("int4", 16, True, (64, 256)),  # GGUF's Q2_K / Q3_K sub-blocks
+    "iq4-g32": ("iq4", 32, False, (64, 256)),  # GGUF's IQ4_NL / IQ4_XS
+    "iq4-channel": ("iq4", None, False, (256,)),
     "fp8-channel": ("fp8", None, False, (64, 100, 256)),  # K=100: scalar loop
     "fp8-g32": ("fp8", 32, False, (256,)),
 }
@@ -354,14 +362,16 @@ def _op_bad_inputs():
         "group 24 does not divide 64": ({**base8, "scales": torch.ones(8, 2), "group": 24},
                                         "group size must divide K"),
         "group 0": ({**base8, "group": 0}, "group size must divide K"),
-        "int4 group 16": ({**base4, "scales": torch.ones(8, 4), "mins": torch.zeros(8, 4), "group": 16},
-                          "int4 groups must be multiples of 32"),
+        "int4 group 8": ({**base4, "scales": torch.ones(8, 8), "mins": torch.zeros(8, 8), "group": 8},
+                         "int4 groups must be 16 or multiples of 32"),
+        "int8 activations in groups of 16": ({**base4, "scales": torch.ones(8, 4), "mins": torch.zeros(8, 4),
+                                              "group": 16, "kind": 3}, "int8 activations need int4 groups"),
         "scales per channel for group 32": ({**base8, "scales": torch.ones(8, 1)},
                                             r"scales must be \(N, K / group\)"),
         "float64 scales": ({**base8, "scales": qw8.scales.double()}, "scales must be float32"),
         "mins of the wrong shape": ({**base4, "mins": torch.zeros(8, 1)}, "mins must be float32 like scales"),
         "float64 mins": ({**base4, "mins": qw4.mins.double()}, "mins must be float32 like scales"),
-        "unknown kind": ({**base8, "kind": 4}, "unknown quantized kind 4"),
+        "unknown kind": ({**base8, "kind": 5}, "unknown quantized kind 5"),
         "float64 x": ({**base8, "x": x.double()}, "x and out must be float32"),
         "out of the wrong shape": ({**base8, "out": torch.empty(2, 9)}, r"out must be \(M, N\)"),
         "strided x": ({**base8, "x": torch.randn(2, 128)[:, ::2]}, "x and out must be contiguous 2-D"),
@@ -399,7 +409,9 @@ QW_BAD = {
     "group 0": (dict(group_size=0), "group size 0 does not divide"),
     "group 48 of K 64": (dict(group_size=48, scales=torch.ones(4, 1), mins=torch.zeros(4, 1)),
                          "group size 48 does not divide the input dimension 64"),
-    "int4 group 16": (dict(group_size=16, scales=torch.ones(4, 4), mins=torch.zeros(4, 4)), "multiples of 32"),
+    "int4 group 8": (dict(group_size=8, scales=torch.ones(4, 8), mins=torch.zeros(4, 8)), "multiples of 32"),
+    "int8 activations in groups of 16": (dict(group_size=16, scales=torch.ones(4, 4), mins=torch.zeros(4, 4),
+                                              int8_activations=True), "int8 activations need int4 groups"),
     "int4 K 48": (dict(in_features=48, group_size=48, codes=torch.zeros(4, 24, dtype=torch.uint8),
                        scales=torch.ones(4, 1), mins=torch.zeros(4, 1)), "multiples of 32"),
     "int4 codes unpacked": (dict(codes=torch.zeros(4, 64, dtype=torch.uint8)), r"torch.uint8 \(4, 32\)"),
@@ -493,6 +505,18 @@ def test_promote_preserves_the_dequantized_values(source, k, kind, group):
     assert_linear_close(run_linear(linear, x, promoted), x, qw, f"promoted {source}")
 
 
+def test_promote_writes_iq4_levels_as_int8_codes():
+    """iq4 -> int8 (a fused layer mixing IQ4 with other GGUF types, or an accelerator): the levels
+    become the codes, every value exact."""
+    qw = case_weight("iq4-g32", 64, 24, seed=5)
+    promoted = promote(qw, "int8", 16)
+    assert promoted.codes.dtype == torch.int8 and promoted.mins is None
+    assert set(promoted.codes.unique().tolist()) <= set(IQ4_GRID.long().tolist())
+    assert torch.equal(exact_weight(promoted)[0], exact_weight(qw)[0])
+    with pytest.raises(ValueError, match="cannot promote a iq4 weight to int4"):
+        promote(qw, "int4", 32)
+
+
 def test_promote_refuses_what_it_cannot_represent():
     qw4 = case_weight("int4-g32", 64, 4, seed=1)
     with pytest.raises(ValueError, match="cannot regroup group size 32 into 64"):
@@ -501,8 +525,8 @@ def test_promote_refuses_what_it_cannot_represent():
         promote(case_weight("int8-g32", 64, 4, seed=1), "int4", 32)
     with pytest.raises(ValueError, match="cannot promote a fp8 weight to int8"):
         promote(case_weight("fp8-channel", 64, 4, seed=1), "int8", 64)
-    with pytest.raises(ValueError, match="multiples of 32"):  # int4 groups of 16 do not exist
-        promote(qw4, "int4", 16)
+    with pytest.raises(ValueError, match="multiples of 32"):  # int4 groups of 8 do not exist
+        promote(qw4, "int4", 8)
 
 
 def test_fp8_weights_with_nan_codes_are_refused_at_load():

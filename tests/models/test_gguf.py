@@ -225,14 +225,14 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     writer.add_block_count(1)
     writer.add_head_count(4)
     writer.add_embedding_length(256)
-    # One row of 256 weights in IQ4_XS (136 bytes a block): a type gguf-py cannot dequantize for us.
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 136, dtype=torch.uint8).numpy(),
-                      raw_dtype=GGMLQuantizationType.IQ4_XS)
+    # One row of 256 weights in IQ2_XXS (66 bytes a block): a type kvtide does not read.
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 66, dtype=torch.uint8).numpy(),
+                      raw_dtype=GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="IQ4_XS.*supported: F32"):
+    with pytest.raises(ValueError, match="IQ2_XXS.*supported: F32"):
         make_llm(path)
 
 

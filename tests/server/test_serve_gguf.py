@@ -4,6 +4,7 @@ file's tokenizer and chat template."""
 from __future__ import annotations
 
 import pytest
+from gguf import GGUFReader
 from gguf_writer import build_bpe_checkpoint, write_gguf
 from serve_helpers import launch_server
 
@@ -30,5 +31,12 @@ def test_served_gguf_answers_as_the_offline_engine(gguf_file, fresh_kvtide_cache
                 "ignore_eos": True}).json()
             assert body["choices"][0]["message"]["content"] == expected.outputs[0].text
             assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+            # The startup memory budget on /metrics: the file's blocks as stored, the weights as held.
+            memory = {line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+                      for line in client.get("/metrics").text.splitlines()
+                      if line.startswith("kvtide:memory_bytes{")}
+            assert set(memory) == {"weights_stored", "weights_held", "packed_copies", "kv_pool", "runtime", "resident"}
+            assert memory["weights_stored"] == sum(int(t.n_bytes) for t in GGUFReader(gguf_file).tensors)
+            assert memory["weights_held"] == offline.engine.core.memory["weights_held"], memory
     finally:
         server.stop()

@@ -27,7 +27,7 @@ from kvtide.layers.quantization.qweight import (
 
 SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
 LIBRARY, WHAT = "kvtide_quant", "compiled quantized linears"
-KIND_CODES = {"int8": 0, "int4": 1, "fp8": 2}
+KIND_CODES = {"int8": 0, "int4": 1, "fp8": 2, "iq4": 4}
 INT4_INT8_ACTIVATIONS = 3
 """The kernel's kind for int4 codes times activations quantized to int8 (QuantizedWeight.int8_activations)."""
 DEQUANT_ROWS = 512

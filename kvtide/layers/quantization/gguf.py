@@ -1,11 +1,14 @@
 """GGUF checkpoints kept quantized: each linear (and the token table) keeps its ggml blocks' codes
 in the engine's QuantizedWeight layout instead of being dequantized to float at load.
 
-Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q8_0, Q5_K -> int8 in groups of 32;
-Q6_K -> int8 in groups of 16 (gguf_codecs.py decodes the blocks). F32/F16/BF16 tensors stay float.
-A fused layer whose shards come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K)
-takes the widest kind and the finest group of its shards, with each shard promoted to it
-(qweight.promote), so the fused projection stays one kernel call.
+Per tensor type: Q4_0, Q4_1, Q4_K -> int4 in groups of 32; Q2_K, Q3_K -> int4 in groups of 16 (their
+sub-blocks); IQ4_NL, IQ4_XS -> iq4 (their nibbles, indices into the level grid) in groups of 32;
+Q8_0, Q5_0, Q5_1, Q5_K -> int8 in groups of 32; Q6_K -> int8 in groups of 16 (gguf_codecs.py
+decodes the blocks, every value exactly). F32/F16/BF16 tensors stay float. A fused layer whose shards
+come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K) takes their kind if they share
+one, else int8, and the finest group of its shards, with each shard promoted to it (qweight.promote),
+so the fused projection stays one kernel call. On an accelerator iq4 and int4 in groups of 16 are
+held as int8 (the Triton kernels read int8, int4 in whole 32-blocks and fp8 codes).
 
 The iterator (models/gguf_checkpoint.py) yields for a kept-quantized tensor `<module>.gguf_codes`,
 `.gguf_scales` and `.gguf_mins` in the layer's chosen layout; the parameters here receive them.
@@ -26,13 +29,15 @@ from kvtide.layers.quantization.base import (
     drop_parameters,
     quant_parameter,
 )
-from kvtide.layers.quantization.qweight import QuantizedWeight
+from kvtide.layers.quantization.qweight import INT4_BLOCK, NIBBLE_KINDS, QuantizedWeight, promote
 from kvtide.layers.quantization.weight_only import WeightOnlyMethod
 
 FORMATS = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q4_K": ("int4", 32),
-           "Q8_0": ("int8", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16)}
+           "Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q5_1": ("int8", 32), "Q5_K": ("int8", 32),
+           "IQ4_NL": ("iq4", 32), "IQ4_XS": ("iq4", 32),
+           "Q2_K": ("int4", 16), "Q3_K": ("int4", 16), "Q6_K": ("int8", 16)}
 """GGUF tensor type -> (kind, group size) it is kept in."""
-HAS_MINS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")
+HAS_MINS = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PARAMS = ("gguf_codes", "gguf_scales", "gguf_mins")
 
@@ -43,7 +48,7 @@ def layer_format(types: list[str]) -> tuple[str, int, bool] | None:
     if not types or any(t not in FORMATS for t in types):
         return None
     kinds = {FORMATS[t][0] for t in types}
-    kind = "int8" if "int8" in kinds else "int4"
+    kind = next(iter(kinds)) if len(kinds) == 1 else "int8"
     group = min(FORMATS[t][1] for t in types)
     # int4 shards promoted into int8 carry their shift of 8 in the mins.
     mins = any(t in HAS_MINS for t in types) or (kind == "int8" and "int4" in kinds)
@@ -51,13 +56,15 @@ def layer_format(types: list[str]) -> tuple[str, int, bool] | None:
 
 
 class GGUFMethod(WeightOnlyMethod):
-    def __init__(self, kind: str, group_size: int, has_mins: bool) -> None:
+    def __init__(self, kind: str, group_size: int, has_mins: bool, gguf_types: tuple[str, ...] = ()) -> None:
         self.kind, self.group_size, self.has_mins = kind, group_size, has_mins
+        self.gguf_types = gguf_types
+        """The GGUF tensor type of each checkpoint shard the layer holds, in shard order."""
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.weight.shape
-        codes_cols = k // 2 if self.kind == "int4" else k
-        dtype = torch.uint8 if self.kind == "int4" else torch.int8
+        codes_cols = k // 2 if self.kind in NIBBLE_KINDS else k
+        dtype = torch.uint8 if self.kind in NIBBLE_KINDS else torch.int8
         # a row-parallel rank takes whole groups of its input columns (int4 codes: 2 columns a byte)
         quant_parameter(layer, "gguf_codes", (n, codes_cols), dtype, input_dim=1, input_pack=k // codes_cols)
         quant_parameter(layer, "gguf_scales", (n, k // self.group_size), torch.float32, input_dim=1,
@@ -72,7 +79,10 @@ class GGUFMethod(WeightOnlyMethod):
         n, k = layer.weight_shape
         mins = layer.gguf_mins.data if self.has_mins else None
         qw = QuantizedWeight(self.kind, layer.gguf_codes.data, layer.gguf_scales.data, mins, self.group_size, n, k)
+        if qw.codes.device.type != "cpu" and (qw.kind == "iq4" or (qw.kind == "int4" and qw.group_size % INT4_BLOCK)):
+            qw = promote(qw, "int8", qw.group_size)
         drop_parameters(layer, *PARAMS)
+        layer.gguf_types = self.gguf_types  # what the file stored, beside the layout it is held in
         return qw
 
 
@@ -102,9 +112,10 @@ class GGUFConfig(QuantizationConfig):
 
     def method_for(self, prefix: str, layer: nn.Module) -> QuantizeMethod | None:
         names = [f"{module}.weight" for module in checkpoint_modules(prefix, layer, self.shard_names).values()]
-        fmt = layer_format([self.tensor_types.get(name, "missing") for name in names])
+        types = [self.tensor_types.get(name, "missing") for name in names]
+        fmt = layer_format(types)
         if fmt is None:
             return None
         for name in names:
             self.tensor_formats[name] = fmt
-        return GGUFMethod(*fmt)
+        return GGUFMethod(*fmt, gguf_types=tuple(types))

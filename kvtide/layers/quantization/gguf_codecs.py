@@ -21,24 +21,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+from kvtide.layers.quantization.qweight import IQ4_LEVELS
+
+SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 # (weights per block, bytes per block), as in ggml's GGML_QUANT_SIZES.
 _BLOCK = {
     "Q8_0": (32, 34),    # f16 d | int8 q[32]
     "Q4_0": (32, 18),    # f16 d | u8 qs[16]
     "Q4_1": (32, 20),    # f16 d | f16 m | u8 qs[16]
+    "Q5_0": (32, 22),    # f16 d | u8 qh[4] | u8 qs[16]
+    "Q5_1": (32, 24),    # f16 d | f16 m | u8 qh[4] | u8 qs[16]
+    "Q2_K": (256, 84),   # u8 scales[16] | u8 qs[64] | f16 d | f16 dmin
+    "Q3_K": (256, 110),  # u8 hmask[32] | u8 qs[64] | u8 scales[12] | f16 d
     "Q4_K": (256, 144),  # f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
     "Q5_K": (256, 176),  # f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
     "Q6_K": (256, 210),  # u8 ql[128] | u8 qh[64] | int8 scales[16] | f16 d
+    "IQ4_NL": (32, 18),  # f16 d | u8 qs[16]
+    "IQ4_XS": (256, 136),  # f16 d | u16 scales_h | u8 scales_l[4] | u8 qs[128]
 }
+
+IQ4_VALUES = IQ4_LEVELS.numpy()
+"""The 16 levels an IQ4_NL / IQ4_XS nibble indexes: the nibbles are kept as they are (the iq4 kind),
+the kernels look the levels up."""
 
 
 @dataclass
 class DecodedBlocks:
     """One tensor's blocks as integer codes and float32 per-group numbers (the qweight layout,
     except that int4 codes are one per byte, not nibble-packed)."""
-    kind: str                # "int4" (uint8 codes 0..15) or "int8" (int8 codes)
+    kind: str                # "int4" (uint8 codes 0..15), "iq4" (uint8 level indices 0..15) or "int8"
     codes: np.ndarray        # (rows, k)
     scales: np.ndarray       # (rows, k // group_size) float32
     mins: np.ndarray | None  # (rows, k // group_size) float32, None for symmetric types
@@ -47,6 +59,8 @@ class DecodedBlocks:
     def values(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Rows [start, end) as float32: scales * codes + mins."""
         codes = self.codes[start:end]
+        if self.kind == "iq4":
+            codes = IQ4_VALUES[codes]
         rows, k = codes.shape
         g = self.group_size
         out = codes.reshape(rows, k // g, g).astype(np.float32)
@@ -110,6 +124,79 @@ def _decode_q4_1(b: np.ndarray):
     return "int4", _nibbles_32(b[:, 4:]), _f16(b, 0)[:, None], _f16(b, 2)[:, None], 32
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 32 high bits (a little-endian u32, bit j for weight j): (n, 4) bytes -> (n, 32) 0/1."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")
+
+
+def _decode_q5_0(b: np.ndarray):
+    # w = d * (q - 16): the centred codes -16..15 are int8 and need no min (exact in float32).
+    q = _nibbles_32(b[:, 6:22]) | (_fifth_bits(b[:, 2:6]) << 4)
+    return "int8", q.view(np.int8) - np.int8(16), _f16(b, 0)[:, None], None, 32
+
+
+def _decode_q5_1(b: np.ndarray):
+    q = _nibbles_32(b[:, 8:24]) | (_fifth_bits(b[:, 4:8]) << 4)
+    return "int8", q.view(np.int8), _f16(b, 0)[:, None], _f16(b, 2)[:, None], 32
+
+
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits: each 128-weight half reads 32 bytes four times, bit pair a (bits 2a,
+    2a+1) of byte l being weight 32 * a + l of the half. (n, 64) -> (n, 256) codes 0..3."""
+    n = qs.shape[0]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 256)
+
+
+def _decode_q2_k(b: np.ndarray):
+    # Sixteen 16-weight sub-blocks: w = (d * sc) * q - (dmin * m), sc and m the low and high nibble
+    # of the sub-block's scale byte; formed in float32 as ggml does.
+    sc = b[:, 0:16]
+    scales = _f16(b, 80)[:, None] * (sc & 0x0F).astype(np.float32)
+    mins = -(_f16(b, 82)[:, None] * (sc >> 4).astype(np.float32))
+    return "int4", _two_bit_planes(b[:, 16:80]), scales, mins, 16
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's sixteen 6-bit scales (stored + 32): low nibbles in bytes 0..7 (sub-blocks 0..7 in the
+    low nibbles, 8..15 in the high ones), top 2 bits of sub-block j in bits 2 (j // 4), +1 of
+    byte 8 + j % 4. -> (n, 16) int8, -32..31."""
+    low = np.concatenate([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], axis=1)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+    high = ((packed[:, None, 8:12] >> shifts) & 3).reshape(-1, 16)
+    return (low | (high << 4)).view(np.int8) - np.int8(32)
+
+
+def _decode_q3_k(b: np.ndarray):
+    # w = (d * sc) * q with q = (low two bits) - 4 where the weight's hmask bit is clear: -4..3,
+    # kept as the unsigned code q + 4 (the low bits plus 4 times the hmask bit, 0..7) and a min of
+    # -4 (d * sc): s * (q + 4) - 4 s rounds to the same float32 as ggml's s * q in one FMA.
+    # Bit i of hmask[l] belongs to weight 32 * i + l.
+    n = b.shape[0]
+    hbit = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = _two_bit_planes(b[:, 32:96]) | (hbit.reshape(n, 256) << 2)
+    scales = _f16(b, 108)[:, None] * _q3_k_scales(b[:, 96:108]).astype(np.float32)
+    return "int4", codes, scales, scales * np.float32(-4.0), 16
+
+
+def _decode_iq4_nl(b: np.ndarray):
+    return "iq4", _nibbles_32(b[:, 2:18]), _f16(b, 0)[:, None], None, 32
+
+
+def _decode_iq4_xs(b: np.ndarray):
+    # Eight 32-weight sub-blocks, each with a 6-bit scale (stored + 32): low 4 bits in the nibbles of
+    # scales_l (sub-block j: byte j // 2, low nibble for even j), top 2 bits in bits 2j, 2j+1 of
+    # scales_h. w = (d * scale) * level[q]; a sub-block's 16 bytes hold its nibbles as Q4_0's do.
+    n = b.shape[0]
+    scales_l = b[:, 4:8]
+    low = np.stack([scales_l & 0x0F, scales_l >> 4], axis=2).reshape(n, 8)
+    scales_h = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)  # (n, 1)
+    high = ((scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    sub = (low | (high << 4)).view(np.int8) - np.int8(32)
+    scales = _f16(b, 0)[:, None] * sub.astype(np.float32)
+    return "iq4", _nibbles_32(b[:, 8:136]), scales, None, 32
+
+
 def _k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K per-sub-block (scale, min): d * sc_j and -(dmin * m_j), in float32 as ggml does."""
     sc, mn = _k_scales_mins(b[:, 4:16])
@@ -149,8 +236,9 @@ def _decode_q6_k(b: np.ndarray):
     return "int8", codes, _f16(b, 208)[:, None] * sub, None, 16
 
 
-_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1,
-             "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0,
+             "Q5_1": _decode_q5_1, "Q2_K": _decode_q2_k, "Q3_K": _decode_q3_k, "Q4_K": _decode_q4_k,
+             "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k, "IQ4_NL": _decode_iq4_nl, "IQ4_XS": _decode_iq4_xs}
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, k: int) -> DecodedBlocks:

@@ -12,10 +12,13 @@ kinds and their `codes` tensor, for an (N, K) weight:
         block starting at k0, byte k0 // 2 + j holds code k0 + j in its low nibble and code
         k0 + 16 + j in its high nibble (j < 16): one 16-byte load yields 32 consecutive codes.
   fp8   uint8 (N, K): float8_e4m3fn bit patterns (the code is that float's value)
+  iq4   uint8 (N, K // 2): int4's nibbles in int4's order, each an index into IQ4_LEVELS (the code
+        is that level): GGUF's IQ4_NL / IQ4_XS grid, kept at half a byte a weight.
 
 `scales`/`mins` are float32 (N, K // group_size); group_size divides K (K for per-channel). An
-int4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 32-block) —
-group_size 16 exists only for int8 (Q6_K). `input_perm` (K,) int64, when set, says the codes'
+int4 or iq4 weight needs K % 32 == 0 and group_size % 32 == 0 (a group never splits a 32-block) or
+group_size 16 (GGUF's Q2_K/Q3_K sub-blocks: a block's low nibbles one group, its high nibbles the
+next; weight-only: int8 activations need whole blocks). int8 takes any group size (Q6_K's 16). `input_perm` (K,) int64, when set, says the codes'
 column k holds the checkpoint's input column input_perm[k]: the layer computes
 x[:, input_perm] @ w.T (GPTQ act-order, whose groups are contiguous only after that sort).
 `int8_activations` (int4 only) asks the CPU kernels to round the activations to int8 per 32-block
@@ -29,8 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("int8", "int4", "fp8")
+KINDS = ("int8", "int4", "fp8", "iq4")
+NIBBLE_KINDS = ("int4", "iq4")
+"""Kinds whose codes are nibbles, two a byte in the 32-block order."""
 INT4_BLOCK = 32
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                          dtype=torch.int8)
+"""The 16 levels an iq4 code indexes (ggml's IQ4_NL grid, shared by IQ4_XS): denser near zero, so a
+4-bit code spends its levels where trained weights lie."""
 
 
 @dataclass
@@ -51,10 +60,10 @@ class QuantizedWeight:
             raise ValueError(f"quantized weight kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if g < 1 or k % g:
             raise ValueError(f"group size {g} does not divide the input dimension {k}")
-        if self.kind == "int4" and (k % INT4_BLOCK or g % INT4_BLOCK):
-            raise ValueError(f"int4 weights need the input dimension ({k}) and group size ({g}) to be "
-                             f"multiples of {INT4_BLOCK}")
-        codes_shape = (n, k // 2) if self.kind == "int4" else (n, k)
+        if self.kind in NIBBLE_KINDS and (k % INT4_BLOCK or (g % INT4_BLOCK and g != INT4_BLOCK // 2)):
+            raise ValueError(f"{self.kind} weights need the input dimension ({k}) and group size ({g}) to be "
+                             f"multiples of {INT4_BLOCK} (or a group size of {INT4_BLOCK // 2})")
+        codes_shape = (n, k // 2) if self.kind in NIBBLE_KINDS else (n, k)
         codes_dtype = torch.int8 if self.kind == "int8" else torch.uint8
         if tuple(self.codes.shape) != codes_shape or self.codes.dtype != codes_dtype:
             raise ValueError(f"{self.kind} codes must be {codes_dtype} {codes_shape}; got "
@@ -64,6 +73,8 @@ class QuantizedWeight:
                 raise ValueError(f"{name} must be float32 {(n, k // g)}; got {t.dtype} {tuple(t.shape)}")
         if self.int8_activations and self.kind != "int4":
             raise ValueError(f"int8 activations are implemented for int4 weights, not {self.kind}")
+        if self.int8_activations and g % INT4_BLOCK:
+            raise ValueError(f"int8 activations need int4 groups that are multiples of {INT4_BLOCK}; got {g}")
         if self.input_perm is not None and tuple(self.input_perm.shape) != (k,):
             raise ValueError(f"input_perm must have {k} entries; got {tuple(self.input_perm.shape)}")
 
@@ -106,6 +117,8 @@ def code_values(qw: QuantizedWeight) -> torch.Tensor:
     """The codes as float32 (N, K) numbers."""
     if qw.kind == "int4":
         return unpack_int4(qw.codes).float()
+    if qw.kind == "iq4":
+        return IQ4_LEVELS.to(qw.codes.device)[unpack_int4(qw.codes).long()].float()
     if qw.kind == "fp8":
         return qw.codes.view(torch.float8_e4m3fn).float()
     return qw.codes.float()
@@ -176,13 +189,15 @@ def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def promote(qw: QuantizedWeight, kind: str, group_size: int) -> QuantizedWeight:
-    """The same values in a wider kind or finer groups (int4 -> int8, group 32 -> 16): what lets the
-    shards of one fused layer stored in different formats (a GGUF Q4_K q beside a Q6_K v) share one
-    kernel call. Codes and per-group numbers are copied; int4 -> int8 moves a shift of 8 into the
-    mins, which changes a value by float32 rounding at most."""
+    """The same values in a wider kind or finer groups (int4 or iq4 -> int8, group 32 -> 16): what
+    lets the shards of one fused layer stored in different formats (a GGUF Q4_K q beside a Q6_K v)
+    share one kernel call. Codes and per-group numbers are copied; int4 -> int8 moves a shift of 8
+    into the mins, which changes a value by float32 rounding at most; iq4 -> int8 writes the levels
+    as the codes (exact)."""
     if group_size > qw.group_size or qw.group_size % group_size:
         raise ValueError(f"cannot regroup group size {qw.group_size} into {group_size}")
-    if (qw.kind, kind) not in (("int4", "int8"), ("int4", "int4"), ("int8", "int8"), ("fp8", "fp8")):
+    if (qw.kind, kind) not in (("int4", "int8"), ("int4", "int4"), ("int8", "int8"), ("fp8", "fp8"),
+                               ("iq4", "int8"), ("iq4", "iq4")):
         raise ValueError(f"cannot promote a {qw.kind} weight to {kind}")
     repeat = qw.group_size // group_size
     scales = qw.scales.repeat_interleave(repeat, dim=1)
@@ -192,6 +207,8 @@ def promote(qw: QuantizedWeight, kind: str, group_size: int) -> QuantizedWeight:
         # int8 codes are signed: shift by -8 and carry the shift in the mins.
         codes = (unpack_int4(qw.codes).to(torch.int16) - 8).to(torch.int8)
         mins = (scales * 8.0) if mins is None else mins + scales * 8.0
+    elif qw.kind == "iq4" and kind == "int8":
+        codes = IQ4_LEVELS.to(qw.codes.device)[unpack_int4(qw.codes).long()]
     return QuantizedWeight(kind, codes, scales, mins, group_size, qw.out_features, qw.in_features,
                            qw.input_perm)
 

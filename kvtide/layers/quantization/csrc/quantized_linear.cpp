@@ -3,8 +3,11 @@
 // decode step, which is bound by the bytes it reads, moves 4-8x less than with float32 weights.
 //
 //   codes: int8 (N, K) | int4: uint8 (N, K/2), 32-blocks of nibbles | fp8: uint8 e4m3 bits (N, K)
+//          | iq4: int4's nibbles, each an index into kIq4Levels (GGUF's IQ4_NL/IQ4_XS grid)
 //   scales, mins: float32 (N, K / group); w[n, k] = scales[n, g] * code[n, k] + mins[n, g]
-//   (the layout of layers/quantization/qweight.py)
+//   (the layout of layers/quantization/qweight.py). Nibble groups are multiples of 32 or exactly
+//   16 (GGUF's Q2_K/Q3_K sub-blocks: a 32-block's low nibbles are one group, its high nibbles the
+//   next).
 //
 // quantized_linear: each weight vector is dequantized in registers (one FMA) and multiplied into up
 // to kRows activation rows at once, so a weight row is read once per kRows rows; work is split
@@ -20,6 +23,9 @@
 // fp8 e4m3 -> float (NaN codes are refused at load: a checkpoint never stores them): its bits moved into a float16's (sign to bit 15, exponent and mantissa shifted
 // up by 7) are the same number times 2^-8 for normals and subnormals alike (float16 has 8 more
 // exponent bias), so a float16 conversion and a 2^8 factor folded into the scale decode it exactly.
+//
+// iq4 codes are decoded by a byte shuffle: the 16 levels fit one 128-bit register, and pshufb with
+// the nibbles as indices yields the levels as int8, converted as int8 codes are.
 //
 // Compiled once per ISA (attention/cpu_extension.py): CPU_CAPABILITY_AVX512 / _AVX2 pick the
 // intrinsics, and a portable loop serves the rest.
@@ -49,7 +55,10 @@
 namespace KVTIDE_OPS_NS {
 namespace {
 
-constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2, kInt4A8 = 3;
+constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2, kInt4A8 = 3, kIq4 = 4;
+// The non-uniform 4-bit grid of GGUF's IQ4_NL and IQ4_XS (qweight.IQ4_LEVELS).
+alignas(16) constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 constexpr int64_t kActBlock = 32;  // activations quantized per 32-block (a block of int4 codes)
 constexpr int64_t kRows = 4;  // activation rows sharing one pass over a weight row
 constexpr float kFp8Factor = 256.0f;
@@ -112,6 +121,14 @@ inline void load_int4_block(const uint8_t* p, VecF out[2]) {
   out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
   out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
 }
+// One 32-block of iq4 codes: the levels of its nibbles, in load_int4_block's order.
+inline void load_iq4_block(const uint8_t* p, VecF out[2]) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i levels = _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Levels));
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(levels, _mm_and_si128(b, mask))));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(b, 4), mask))));
+}
 #elif defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kLanes = 8;
 using VecF = __m256;
@@ -165,6 +182,17 @@ inline void load_int4_block(const uint8_t* p, VecF out[4]) {
   out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
+inline void load_iq4_block(const uint8_t* p, VecF out[4]) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i levels = _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Levels));
+  __m128i lo = _mm_shuffle_epi8(levels, _mm_and_si128(b, mask));
+  __m128i hi = _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
 #else
 constexpr int64_t kChunkBytes = 16;
 #endif
@@ -194,7 +222,8 @@ void dequant_row_scalar(const Weight& w, int64_t n, int64_t k, float* out) {
       } else {
         int64_t k0 = j / 32 * 32, r = j - k0;
         uint8_t byte = row[k0 / 2 + (r & 15)];
-        q = static_cast<float>(r < 16 ? (byte & 0x0F) : (byte >> 4));
+        const int nibble = r < 16 ? (byte & 0x0F) : (byte >> 4);
+        q = static_cast<float>(w.kind == kIq4 ? kIq4Levels[nibble] : nibble);
       }
       out[j] = s * q + m;
     }
@@ -215,14 +244,38 @@ inline void for_each_weight_vector(const Weight& w, int64_t n, F&& f) {
   const float* mrow = w.mins ? w.mins + n * w.groups : nullptr;
   const float factor = w.kind == kFp8 ? kFp8Factor : 1.0f;
   const bool pairs = w.group % (2 * kLanes) == 0;
+  if ((w.kind == kInt4 || w.kind == kIq4) && w.group == 16) {
+    // Two groups a 32-block: vector i holds codes i * kLanes.., in the block's group i * kLanes / 16.
+    for (int64_t g = 0; g < w.groups; g += 2) {
+      const int64_t k0 = g * 16;
+      VecF q[32 / kLanes];
+      if (w.kind == kIq4) {
+        load_iq4_block(row + k0 / 2, q);
+      } else {
+        load_int4_block(row + k0 / 2, q);
+      }
+      const VecF s[2] = {vset1(srow[g]), vset1(srow[g + 1])};
+      const VecF m[2] = {mrow ? vset1(mrow[g]) : vzero(), mrow ? vset1(mrow[g + 1]) : vzero()};
+      for (int64_t i = 0; i < 32 / kLanes; i += 2) {
+        const int64_t h0 = i * kLanes / 16, h1 = (i + 1) * kLanes / 16;
+        f(Slot0{}, k0 + i * kLanes, vfma(q[i], s[h0], m[h0]));
+        f(Slot1{}, k0 + (i + 1) * kLanes, vfma(q[i + 1], s[h1], m[h1]));
+      }
+    }
+    return;
+  }
   for (int64_t g = 0; g < w.groups; ++g) {
     VecF s = vset1(srow[g] * factor);
     VecF m = mrow ? vset1(mrow[g]) : vzero();
     const int64_t k_begin = g * w.group, k_end = k_begin + w.group;
-    if (w.kind == kInt4) {
+    if (w.kind == kInt4 || w.kind == kIq4) {
       for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
         VecF q[32 / kLanes];
-        load_int4_block(row + k0 / 2, q);
+        if (w.kind == kIq4) {
+          load_iq4_block(row + k0 / 2, q);
+        } else {
+          load_int4_block(row + k0 / 2, q);
+        }
         for (int64_t i = 0; i < 32 / kLanes; i += 2) {
           f(Slot0{}, k0 + i * kLanes, vfma(q[i], s, m));
           f(Slot1{}, k0 + (i + 1) * kLanes, vfma(q[i + 1], s, m));
@@ -507,13 +560,15 @@ void linear_tile(const Weight& w, const float* x, int64_t k, int64_t m0, int64_t
 
 Weight make_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                    int64_t kind, int64_t group_size, int64_t k) {
+  TORCH_CHECK(kind != kInt4A8 || group_size % 32 == 0, "int8 activations need int4 groups that are multiples of 32");
   if (kind == kInt4A8) kind = kInt4;  // the same codes; only the activations differ
-  TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8, "unknown quantized kind ", kind);
+  TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8 || kind == kIq4, "unknown quantized kind ", kind);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "scales must be float32");
   TORCH_CHECK(group_size > 0 && k % group_size == 0, "group size must divide K");
-  TORCH_CHECK(kind != kInt4 || group_size % 32 == 0, "int4 groups must be multiples of 32");
-  const int64_t row_bytes = kind == kInt4 ? k / 2 : k;
+  const bool nibbles = kind == kInt4 || kind == kIq4;
+  TORCH_CHECK(!nibbles || group_size % 32 == 0 || group_size == 16, "int4 groups must be 16 or multiples of 32");
+  const int64_t row_bytes = nibbles ? k / 2 : k;
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) == row_bytes && codes.scalar_type() == (kind == kInt8 ? at::kChar : at::kByte),
               "codes must be ", kind == kInt8 ? "int8" : "uint8", " with ", row_bytes, " bytes per row");
   const int64_t groups = k / group_size;
