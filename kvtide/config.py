@@ -72,6 +72,9 @@ class ModelConfig:
     model_impl: str = "kvtide"
     """The implementation that runs the model, as --model-impl resolved it: "kvtide" (kvtide's own
     module) or "transformers" (Hugging Face's modeling code with kvtide's paged attention)."""
+    pooler_config: Any = None
+    """A pooling model's PoolerConfig (kvtide/pooling/config.py: embed or classify, pooling type,
+    normalization); None: a generation model."""
 
 
 @dataclass(frozen=True)

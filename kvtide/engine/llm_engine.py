@@ -14,6 +14,8 @@ from kvtide.engine.core import EngineCore
 from kvtide.engine.input_processor import InputProcessor, PromptType
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
 from kvtide.outputs import RequestOutput
+from kvtide.pooling.outputs import PoolingRequestOutput
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,8 +34,10 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        """Validate and queue a request. Raises ValueError before changing anything."""
+                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                    pooling_params: PoolingParams | None = None) -> None:
+        """Validate and queue a request. Raises ValueError before changing anything. With
+        `pooling_params` (a pooling model) it ends with a PoolingRequestOutput once its prompt is computed."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.output_processor.requests:
@@ -41,6 +45,7 @@ class LLMEngine:
         processed = self.input_processor.process_prompt(prompt)
         core_requests = self.input_processor.make_requests(request_id, processed, params, priority)
         for core_request in core_requests:
+            core_request.pooling_params = pooling_params
             self.core.check_request(core_request)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, [r.request_id for r in core_requests], output_kind,
@@ -65,7 +70,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.core.step()
         for out in core_outputs:
             if out.error is not None:  # offline there is no error object to hand back: say it here

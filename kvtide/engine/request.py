@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class EngineCoreRequest:
     """Engine-core id of a sibling (same user request, same prompt) this one is forked from instead
     of computing the prompt itself: n > 1 and best_of samples share the first sample's prompt
     blocks; the other output slots of a beam search name its root beam."""
+    pooling_params: PoolingParams | None = None
+    """A pooling model's request (kvtide/pooling/): prefill only; it ends with its pooled output
+    once the prompt is computed, and samples nothing."""
 
 
 class Request:
@@ -77,6 +81,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.fork_of = core_request.fork_of
+        self.pooling_params = core_request.pooling_params
         self.spec_stats = None
         """Speculative decoding: this request's acceptance estimate (spec_decode/policy.py)."""
         self.grammar_future = None

@@ -415,6 +415,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens=request.num_output_tokens,
+            pooling_params=request.pooling_params,
         )
 
     def _pick_victim(self, candidates: list[Request], current: Request) -> Request:
@@ -468,6 +469,13 @@ class Scheduler:
             if req_id in runner_output.failed:
                 request.status = RequestStatus.FINISHED_ABORTED
                 out.finish_reason, out.error = "abort", runner_output.failed[req_id]
+                stopped.append(request)
+                outputs.append(out)
+                continue
+            pooled = runner_output.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prompt: no token, no decode
+                request.status = RequestStatus.FINISHED_STOPPED
+                out.finish_reason, out.pooling_output = "stop", pooled
                 stopped.append(request)
                 outputs.append(out)
                 continue

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvtide.attention.backend import AttentionMetadata
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling.metadata import RowState, SamplingMetadata, SamplingRowTable
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import CachedRequestData, SchedulerOutput
@@ -30,6 +31,8 @@ class CachedRequestState:
     num_computed_tokens: int
     uid: int = 0
     """Fresh each time the runner (re)receives the request in full; see AttentionMetadata.row_uids."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request (kvtide/pooling/runner.py pools it instead of sampling)."""
 
     def row_state(self) -> RowState:
         return RowState(self.sampling_params, self.token_ids[:self.num_prompt_tokens],
@@ -123,7 +126,7 @@ class InputBatch:
             self._remove(new.request_id)
             self._add(CachedRequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                                          new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                                         uid=next(uids)))
+                                         uid=next(uids), pooling_params=new.pooling_params))
         if not so.scheduled_cached_reqs:
             return
         requests, row_of = self.requests, self.row_of
