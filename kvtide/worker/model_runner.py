@@ -171,8 +171,10 @@ class ModelRunner:
                      for a in self._cached_attention_layers()]
         if self.kv_groups:
             return self.block_size * num_slots(self._group_slots()) * max(per_layer)
-        # An encoder keeps no paged cache; its blocks are bookkeeping only, a byte each.
-        return self.block_size * sum(per_layer) or 1
+        if not per_layer:  # an encoder keeps no paged cache: a block stands for its tokens' hidden states
+            mc = self.config.model_config
+            return self.block_size * mc.hf_config.hidden_size * mc.dtype.itemsize
+        return self.block_size * sum(per_layer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache in the backend's layout (zeroed: masked slots must hold
