@@ -60,6 +60,15 @@ class PoolerConfig:
         """Only LAST pooling of a causal model reads no hidden state a prefix hit would skip."""
         return self.causal and self.pooling_type == "LAST"
 
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> PoolerConfig:
+        """Back from the dict the engine core reports (ModelInfo.pooler; extra keys ignored)."""
+        known = {name: fields[name] for name in cls.__dataclass_fields__ if name in fields}
+        dims = known.get("matryoshka_dimensions")
+        known["matryoshka_dimensions"] = tuple(dims) if dims is not None else None
+        known["id2label"] = {int(k): str(v) for k, v in (known.get("id2label") or {}).items()}
+        return cls(**known)
+
     def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
         if dimensions is None:
             return

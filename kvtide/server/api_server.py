@@ -40,6 +40,8 @@ from kvtide.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvtide.server.middleware import QUOTA_EXEMPT_PATHS, ServerGuardMiddleware
 from kvtide.server.openai.chat_completions.api_router import router as chat_router
 from kvtide.server.openai.completions.api_router import router as completions_router
+from kvtide.server.openai.pooling.api_router import PoolingModelGuard
+from kvtide.server.openai.pooling.api_router import router as pooling_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
 from kvtide.server.output_parsers import OutputParsers
@@ -63,6 +65,8 @@ def build_app(state: ServerState) -> Any:
     app.include_router(chat_router)
     app.include_router(tokenize_router)
     app.include_router(websocket_router)
+    app.include_router(pooling_router)  # embeddings, classify, score, rerank (kvtide/pooling/)
+    app.add_middleware(PoolingModelGuard)  # a pooling model turns generation requests away
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
