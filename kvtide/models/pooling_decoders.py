@@ -5,9 +5,12 @@ pooler (kvtide/pooling/runner.py) reads the final hidden states through `pooling
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
+from kvtide.layers.linear import materialize
 from kvtide.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvtide.models.qwen2 import Qwen2ForCausalLM
 from kvtide.models.qwen3 import Qwen3ForCausalLM
@@ -34,7 +37,11 @@ class _DecoderEmbedder:
 
 
 class _DecoderClassifier(_DecoderEmbedder):
-    """A `score` linear layer (hidden -> num_labels, no bias) over the pooled (last) hidden state."""
+    """A `score` linear layer (hidden -> num_labels, no bias) over the pooled (last) hidden state.
+
+    A causal LM checkpoint with `classifier_token_ids` [no, yes] (the Qwen3-Reranker convention,
+    pooling/config.py) has no `score` tensor: its one row is the LM head's yes row minus its no row,
+    so the label's logit is logit(yes) - logit(no) and its sigmoid the two-token softmax's P(yes)."""
 
     def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
         super().__init__(config, max_model_len, dtype)
@@ -42,6 +49,28 @@ class _DecoderClassifier(_DecoderEmbedder):
         if num_labels < 1:
             raise ValueError("a sequence classification checkpoint needs num_labels >= 1 in config.json")
         self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+        self.token_ids = getattr(config, "classifier_token_ids", None)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.token_ids is None:
+            return super().load_weights(weights)  # type: ignore[misc]
+        rows: dict[str, torch.Tensor] = {}
+
+        def keeping_token_rows(stream):
+            for name, tensor in stream:
+                short = name.removeprefix("model.")
+                if short in ("lm_head.weight", "embed_tokens.weight"):
+                    tensor = materialize(tensor)
+                    rows[short] = tensor[self.token_ids].clone()  # (2, hidden): the no and yes rows
+                yield name, tensor
+
+        loaded = super().load_weights(keeping_token_rows(weights))  # type: ignore[misc]
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        head = rows.get("embed_tokens.weight" if tied else "lm_head.weight")
+        if head is None:
+            raise ValueError("classifier_from_token needs the checkpoint's LM head (lm_head.weight)")
+        self.score.weight.data.copy_((head[1] - head[0])[None].to(self.score.weight.dtype))
+        return loaded | {"score.weight"}
 
     def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
         """(R, hidden) -> (R, num_labels) float32 logits."""

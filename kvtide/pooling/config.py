@@ -97,6 +97,10 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
         if overrides:
             raise ValueError("--pooler-config applies to pooling models only (--runner pooling)")
         return None
+    from_tokens = overrides.pop("classifier_from_token", None) or getattr(hf_config, "classifier_from_token", None)
+    if from_tokens:
+        _use_token_classifier(hf_config, list(from_tokens), model_dir)
+        convert = "classify"
     if convert in ("embed", "classify") or not native:
         arch = _converted(arch, "classify" if convert == "classify" else "embed")
         hf_config.architectures = [arch]
@@ -135,6 +139,23 @@ def _converted(arch: str, task: str) -> str:
                      + ("" if task == "classify" else f", and the encoders {', '.join(ENCODERS)}"))
 
 
+def _use_token_classifier(hf_config, tokens: list[str], model_dir: str) -> None:
+    """The Qwen3-Reranker convention: a causal LM scores a pair by its next-token logits of two
+    tokens, `classifier_from_token` = [no, yes]: one label whose logit is logit(yes) - logit(no),
+    its `score` row built from the LM head's two rows (models/pooling_decoders.py)."""
+    if len(tokens) != 2 or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("classifier_from_token must name two tokens: [negative, positive] (e.g. [\"no\", \"yes\"])")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"classifier_from_token: {tokens} are not both single tokens of the vocabulary")
+    hf_config.classifier_token_ids = [int(i) for i in ids]
+    hf_config.num_labels = 1
+    hf_config.id2label = {0: "LABEL_0"}
+
+
 def _parse_overrides(pooler_config: str | dict | None) -> dict[str, Any]:
     if pooler_config is None or pooler_config == "":
         return {}
@@ -145,7 +166,7 @@ def _parse_overrides(pooler_config: str | dict | None) -> dict[str, Any]:
             raise ValueError(f"pooler_config is not valid JSON: {e}") from e
     if not isinstance(pooler_config, dict):
         raise ValueError("pooler_config must be a JSON object")
-    known = {"pooling_type", "normalize", "dimensions"}
+    known = {"pooling_type", "normalize", "dimensions", "classifier_from_token"}
     unknown = set(pooler_config) - known
     if unknown:
         raise ValueError(f"pooler_config: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")

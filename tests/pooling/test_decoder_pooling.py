@@ -167,3 +167,24 @@ def test_matryoshka_dimensions(checkpoint_factory):
             llm.embed("hello", pooling_params=PoolingParams(dimensions=48))
     finally:
         llm.shutdown()
+
+
+def test_token_classifier_convention_scores_yes_against_no(checkpoint_factory):
+    """Qwen3-Reranker's layout: a causal LM whose relevance is P(yes) over {no, yes} at the last position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = checkpoint_factory("Qwen3ForCausalLM", seed=23, **QWEN3)
+    llm = make_llm(model_dir, runner="pooling", pooler_config={"classifier_from_token": ["n", "y"]})
+    try:
+        query, documents = "is the fox quick", ["the quick brown fox", "weather today", "x"]
+        scores = llm.score(query, documents)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        no, yes = tokenizer.convert_tokens_to_ids(["n", "y"])
+        for score, document in zip(scores, documents, strict=True):
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokenizer(query, document).input_ids])).logits[0, -1]
+            expected = float(logits[[no, yes]].softmax(-1)[1])
+            assert abs(score.outputs.score - expected) < 1e-5
+    finally:
+        llm.shutdown()
