@@ -63,6 +63,11 @@ from kvtide.bench.structured_figures import structured_output_summary
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--backend", default="openai", choices=("openai", "openai-embeddings", "rerank"),
+                        help="openai: streamed completions at --endpoint; openai-embeddings or rerank: a pooling "
+                             "server's /v1/embeddings or /v1/rerank (kvtide/bench/pooling.py)")
+    parser.add_argument("--embedding-batch-size", type=int, default=1, help="openai-embeddings: texts per request")
+    parser.add_argument("--rerank-documents", type=int, default=100, help="rerank: documents per query")
     parser.add_argument("--model", default=None, help="model name for requests (default: the first of /v1/models)")
     add_dataset_args(parser)
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -306,6 +311,10 @@ def _finite(obj):
 
 
 def main_serve(args) -> int:
+    if args.backend != "openai":
+        from kvtide.bench.pooling import main_pooling
+
+        return main_pooling(args)
     result = asyncio.run(run_serve_benchmark(args))
     write_outputs(args, result)
     print(format_report(result))

@@ -24,8 +24,9 @@ def servers(checkpoint_factory):
     embedder = checkpoint_factory("Qwen3Model", seed=3, matryoshka_dimensions=[32, 64], **QWEN3)
     classifier = checkpoint_factory("Qwen3ForSequenceClassification", seed=11, num_labels=1, **QWEN3)
     flags = ["--max-num-seqs", "8", "--kv-cache-memory", "16MiB"]
-    handles = {"embed": (embedder, start_server(embedder, *flags)),
-               "classify": (classifier, start_server(classifier, *flags))}
+    # No API key: `kvtide bench serve` sends none.
+    handles = {"embed": (embedder, start_server(embedder, *flags, api_key=None)),
+               "classify": (classifier, start_server(classifier, *flags, api_key=None))}
     try:
         yield {name: (model_dir, wait_ready(handle)) for name, (model_dir, handle) in handles.items()}
     finally:
@@ -130,3 +131,23 @@ def test_pooling_metrics_are_counted_apart(servers):
     assert tokens and float(tokens[0].rsplit(" ", 1)[1]) >= 6
     generation = [line for line in text.splitlines() if line.startswith("kvtide:generation_tokens_total")]
     assert generation and float(generation[0].rsplit(" ", 1)[1]) == 0
+
+
+@pytest.mark.parametrize("backend", ["openai-embeddings", "rerank"])
+def test_bench_serve_pooling_backends(servers, backend):
+    import argparse
+    import asyncio
+
+    from kvtide.bench.pooling import format_pooling_report, run_pooling_benchmark
+    from kvtide.bench.serve import add_serve_args
+
+    _, handle = servers["embed" if backend == "openai-embeddings" else "classify"]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--base-url", handle.base_url, "--backend", backend, "--max-concurrency", "4",
+                              "--embedding-batch-size", "2", "--rerank-documents", "3"])
+    result = asyncio.run(run_pooling_benchmark(args, texts=PROMPTS))
+    assert result["failed"] == 0, result["errors"]
+    assert result["completed"] == (3 if backend == "openai-embeddings" else len(PROMPTS))
+    assert result["sequence_throughput"] > 0 and result["total_input_tokens"] > 0
+    assert "Sequence throughput" in format_pooling_report(result)
