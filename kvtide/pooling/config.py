@@ -225,6 +225,9 @@ def apply_pooler(config, pooler: PoolerConfig):
     hidden state of a cached prefix (LAST pooling of a causal model)."""
     from dataclasses import replace
 
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding does not apply to a pooling model (it generates nothing): drop "
+                         "--speculative-config")
     model = replace(config.model_config, pooler_config=pooler)
     cache, sched = config.cache_config, config.scheduler_config
     if not pooler.prefix_caching_ok:

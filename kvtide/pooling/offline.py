@@ -31,7 +31,10 @@ _TASK_MODEL = {"embed": "embed", "classify": "classify", "score": "classify"}
 def pooler_config(llm) -> PoolerConfig:
     """The pooling model's PoolerConfig; ValueError for a generation model."""
     core = getattr(llm.engine, "core", None)
-    config = core.config.model_config.pooler_config if core is not None else None
+    if core is None:
+        raise ValueError("offline pooling runs on one engine: use data_parallel_size=1 (or serve the model "
+                         "with --data-parallel-size)")
+    config = core.config.model_config.pooler_config
     if config is None:
         raise ValueError("this is a generation model: pooling (embed, classify, score) needs a pooling model, "
                          "e.g. LLM(model, runner='pooling'), or an embedding / classification checkpoint")

@@ -75,7 +75,8 @@ class PoolingModelGuard:
         api = GENERATION_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if api is not None:
             state = getattr(getattr(scope.get("app"), "state", None), "kvtide", None)
-            if state is not None and state.engine.info.pooler is not None:
+            info = getattr(getattr(state, "engine", None), "info", None)
+            if getattr(info, "pooler", None) is not None:
                 body = json.dumps(error_body(f"The model does not support {api}", "invalid_request_error",
                                              code="model_not_supported")).encode()
                 await send({"type": "http.response.start", "status": 400,
