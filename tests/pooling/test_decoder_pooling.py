@@ -32,6 +32,16 @@ def qwen3_llm(qwen3_embedder):
     llm.shutdown()
 
 
+def test_qwen2_gte_layout_embeddings_match_hf(checkpoint_factory):
+    model_dir = checkpoint_factory("Qwen2Model", seed=29)
+    llm = make_llm(model_dir)
+    try:
+        for prompt, output in zip(PROMPTS, llm.embed(PROMPTS), strict=True):
+            assert cosine_distance(output.outputs.embedding, hf_embedding(model_dir, prompt, "LAST")) < 1e-5
+    finally:
+        llm.shutdown()
+
+
 def test_qwen3_embeddings_match_hf_in_a_mixed_batch(qwen3_embedder, qwen3_llm):
     outputs = qwen3_llm.embed(PROMPTS)
     assert all(isinstance(o, EmbeddingRequestOutput) for o in outputs)

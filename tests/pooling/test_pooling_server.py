@@ -25,8 +25,9 @@ def servers(checkpoint_factory):
     classifier = checkpoint_factory("Qwen3ForSequenceClassification", seed=11, num_labels=1, **QWEN3)
     flags = ["--max-num-seqs", "8", "--kv-cache-memory", "16MiB"]
     # No API key: `kvtide bench serve` sends none.
-    handles = {"embed": (embedder, start_server(embedder, *flags, api_key=None)),
-               "classify": (classifier, start_server(classifier, *flags, api_key=None))}
+    handles = {"embed": (embedder, start_server(embedder, *flags, "--pooler-config", '{"pooling_type": "LAST"}',
+                                                api_key=None)),
+               "classify": (classifier, start_server(classifier, *flags, "--runner", "pooling", api_key=None))}
     try:
         yield {name: (model_dir, wait_ready(handle)) for name, (model_dir, handle) in handles.items()}
     finally:
