@@ -198,3 +198,8 @@ def test_token_classifier_convention_scores_yes_against_no(checkpoint_factory):
             assert abs(score.outputs.score - expected) < 1e-5
     finally:
         llm.shutdown()
+
+
+def test_a_pooling_model_does_not_generate(qwen3_llm):
+    with pytest.raises(ValueError, match="does not generate"):
+        qwen3_llm.generate("hello")
