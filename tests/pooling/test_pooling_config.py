@@ -102,3 +102,28 @@ def test_params_and_scoring_helpers_refuse_bad_values():
     with pytest.raises(ValueError, match="below max_model_len"):
         check_truncation(100, 100)
     assert truncate_ids([1, 2, 3, 4], 2) == [3, 4]
+
+
+def test_pooling_fields_cross_every_process_boundary():
+    """Engine-core requests (API -> core), scheduler outputs (core -> worker ranks) and runner outputs
+    (ranks -> core) keep their pooling fields through msgpack."""
+    from kvtide.engine.serialization import decode, encode, request_from_wire, request_to_wire
+    from kvtide.engine.request import EngineCoreRequest
+    from kvtide.sampling_params import SamplingParams
+    from kvtide.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+    from kvtide.worker.wire import (
+        runner_output_from_wire,
+        runner_output_to_wire,
+        scheduler_output_from_wire,
+        scheduler_output_to_wire,
+    )
+
+    params = PoolingParams(task="embed", normalize=False, dimensions=16)
+    request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=1), pooling_params=params)
+    assert request_from_wire(decode(encode(["add", request_to_wire(request)]))[1]).pooling_params == params
+    new = NewRequestData("r", [1, 2, 3], 3, SamplingParams(max_tokens=1), [0], 0, pooling_params=params)
+    so = SchedulerOutput([new], [], {"r": 3}, 3)
+    back = scheduler_output_from_wire(decode(encode(["step", scheduler_output_to_wire(so)]))[1])
+    assert back.scheduled_new_reqs[0].pooling_params == params
+    output = ModelRunnerOutput(sampled_token_ids={}, pooler_output={"r": [0.5, -0.25]})
+    assert runner_output_from_wire(runner_output_to_wire(output)).pooler_output == {"r": [0.5, -0.25]}
