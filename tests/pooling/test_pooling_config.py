@@ -107,8 +107,8 @@ def test_params_and_scoring_helpers_refuse_bad_values():
 def test_pooling_fields_cross_every_process_boundary():
     """Engine-core requests (API -> core), scheduler outputs (core -> worker ranks) and runner outputs
     (ranks -> core) keep their pooling fields through msgpack."""
-    from kvtide.engine.serialization import decode, encode, request_from_wire, request_to_wire
     from kvtide.engine.request import EngineCoreRequest
+    from kvtide.engine.serialization import decode, encode, request_from_wire, request_to_wire
     from kvtide.sampling_params import SamplingParams
     from kvtide.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
     from kvtide.worker.wire import (
