@@ -229,6 +229,12 @@ def apply_pooler(config, pooler: PoolerConfig):
         raise ValueError("speculative decoding does not apply to a pooling model (it generates nothing): drop "
                          "--speculative-config")
     model = replace(config.model_config, pooler_config=pooler)
+    hf_config = model.hf_config
+    if (getattr(hf_config, "architectures", None) or [""])[0] in ("XLMRobertaModel", "RobertaModel"):
+        # RoBERTa's positions start past the padding id: max_position_embeddings - pad - 1 usable.
+        usable = hf_config.max_position_embeddings - int(hf_config.pad_token_id) - 1
+        if model.max_model_len > usable:
+            model = replace(model, max_model_len=usable)
     cache, sched = config.cache_config, config.scheduler_config
     if not pooler.prefix_caching_ok:
         cache = replace(cache, enable_prefix_caching=False)

@@ -40,9 +40,12 @@ def test_bert_cls_embeddings_match_hf(bert_dir):
 
 
 def test_xlm_roberta_mean_embeddings_match_hf(checkpoint_factory):
-    model_dir = checkpoint_factory("XLMRobertaModel", seed=19, **{**ENCODER, "max_position_embeddings": 514})
-    llm = make_llm(model_dir, pooler_config='{"pooling_type": "MEAN", "normalize": false}')
+    model_dir = checkpoint_factory("XLMRobertaModel", seed=19, **{**ENCODER, "max_position_embeddings": 260})
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory="4MiB", max_num_seqs=8,
+              pooler_config='{"pooling_type": "MEAN", "normalize": false}')
     try:
+        # Positions start past the padding id (2 here): 260 - 3 usable, whatever config.json says.
+        assert llm.engine.core.config.model_config.max_model_len == 257
         outputs = llm.embed(PROMPTS)
         for prompt, output in zip(PROMPTS, outputs, strict=True):
             reference = hf_embedding(model_dir, prompt, "MEAN", normalize=False)
