@@ -54,12 +54,14 @@ def test_xlm_roberta_mean_embeddings_match_hf(checkpoint_factory):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["mean_tokens", "cls_token"])
-def test_sentence_transformers_layout_matches_its_encode(bert_dir, tmp_path, mode):
+@pytest.mark.parametrize("base,mode", [("bert", "mean_tokens"), ("bert", "cls_token"), ("qwen3", "lasttoken")])
+def test_sentence_transformers_layout_matches_its_encode(bert_dir, checkpoint_factory, tmp_path, base, mode):
+    """BERT with mean or CLS pooling (bge, e5 layouts); a Qwen3 embedding checkpoint with last-token
+    pooling (the Qwen3-Embedding layout)."""
     from sentence_transformers import SentenceTransformer
 
     model_dir = str(tmp_path / "st")
-    shutil.copytree(bert_dir, model_dir)
+    shutil.copytree(bert_dir if base == "bert" else checkpoint_factory("Qwen3Model", seed=3, head_dim=32), model_dir)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
@@ -70,14 +72,14 @@ def test_sentence_transformers_layout_matches_its_encode(bert_dir, tmp_path, mod
     with open(os.path.join(model_dir, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": 128, "pooling_mode_cls_token": mode == "cls_token",
                    "pooling_mode_mean_tokens": mode == "mean_tokens", "pooling_mode_max_tokens": False,
-                   "pooling_mode_mean_sqrt_len_tokens": False}, f)
+                   "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": mode == "lasttoken"}, f)
     with open(os.path.join(model_dir, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": 256, "do_lower_case": False}, f)
     reference = SentenceTransformer(model_dir, device="cpu").encode(PROMPTS, convert_to_tensor=True, batch_size=3)
     llm = make_llm(model_dir)
     try:
-        assert llm.engine.core.config.model_config.pooler_config.pooling_type == ("MEAN" if mode == "mean_tokens"
-                                                                                 else "CLS")
+        expected_type = {"mean_tokens": "MEAN", "cls_token": "CLS", "lasttoken": "LAST"}[mode]
+        assert llm.engine.core.config.model_config.pooler_config.pooling_type == expected_type
         outputs = llm.embed(PROMPTS)
         for output, expected in zip(outputs, reference, strict=True):
             assert cosine_distance(output.outputs.embedding, expected) < 1e-5
