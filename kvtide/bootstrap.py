@@ -43,6 +43,8 @@ class ModelInfo:
     """The architecture the model runs as (config.architectures)."""
     model_impl: str = ""
     """The implementation running it: "kvtide" (native) or "transformers" (the fallback)."""
+    pooler: dict | None = None
+    """A pooling model's PoolerConfig fields and hidden_size, for the API side; None: a generation model."""
 
 
 def eos_token_ids(model_dir: str, hf_config, load_tokenizer_fn) -> list[int]:
@@ -213,5 +215,8 @@ def model_info(args: EngineArgs, model_dir: str, config: EngineConfig | None = N
     eos = eos_token_ids(model_dir, hf_config, lambda: load_tokenizer(tokenizer_dir, args.trust_remote_code))
     from kvtide.models.registry import architecture_name
 
+    pooler = config.model_config.pooler_config
+    pooler_fields = None if pooler is None else \
+        {**dataclasses.asdict(pooler), "hidden_size": hf_config.hidden_size}
     return ModelInfo(model_dir, tokenizer_dir, hf_config.vocab_size, config.model_config.max_model_len, eos,
-                     architecture_name(hf_config), config.model_config.model_impl)
+                     architecture_name(hf_config), config.model_config.model_impl, pooler_fields)

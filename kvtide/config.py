@@ -74,6 +74,9 @@ class ModelConfig:
     module) or "transformers" (Hugging Face's modeling code with kvtide's paged attention)."""
     enable_sleep_mode: bool = False
     """Whether sleep() / wake_up() and weight updates are allowed (worker/sleep_mode.py)."""
+    pooler_config: Any = None
+    """A pooling model's PoolerConfig (kvtide/pooling/config.py: embed or classify, pooling type,
+    normalization); None: a generation model."""
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,17 @@ class EngineArgs:
     """auto, vllm or a path: where a request's unset temperature, top_p, top_k, min_p and
     repetition_penalty come from. auto: the checkpoint's generation_config.json; vllm: kvtide's neutral
     defaults (temperature 1, the rest off); a path: that generation_config.json (or its directory)."""
+    runner: str = "auto"
+    """auto, generate or pooling: what the model serves (auto: pooling for embedding, encoder and
+    *ForSequenceClassification architectures, else generation). A pooling model serves embeddings,
+    classification, scores and reranking (kvtide/pooling/), not generation."""
+    convert: str = "auto"
+    """With --runner pooling: embed (a causal LM checkpoint as an embedder, last-token pooling) or
+    classify (as *ForSequenceClassification: a `score` head); auto: from the architecture."""
+    pooler_config: str | dict | None = None
+    """Pooling models, as JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true,
+    "dimensions": N (default Matryoshka length)}; default: the architecture's, then
+    sentence-transformers' modules.json and 1_Pooling/config.json where present."""
 
     # ---- CLI ---------------------------------------------------------------------------------
     @classmethod
@@ -252,6 +263,9 @@ class EngineArgs:
         except Exception as e:
             raise ValueError(f"cannot read the model config in {model_dir}: {e}") from e
         hf_config = served_config(hf_config)
+        from kvtide.pooling.config import resolve_pooling
+
+        pooler = resolve_pooling(self.runner, self.convert, self.pooler_config, hf_config, model_dir)
         model_impl = resolve_model_impl(hf_config, self.model_impl, self.trust_remote_code)
         if model_impl == TRANSFORMERS_IMPL:
             check_transformers_fallback_options(self, hf_config)
@@ -324,7 +338,7 @@ class EngineArgs:
                 raise ValueError("--async-scheduling does not combine with speculative decoding yet (each step's "
                                  "drafts follow from the last step's accepted tokens); drop one of them")
             async_scheduling = False
-        return EngineConfig(
+        config = EngineConfig(
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=dtype,
                                      max_model_len=max_model_len, seed=self.seed,
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
@@ -352,6 +366,11 @@ class EngineArgs:
             lora_config=self._resolve_lora(parallel, speculative, model_impl),
             logits_processors=_logits_processor_specs(self.logits_processors, speculative),
         )
+        if pooler is not None:
+            from kvtide.pooling.config import apply_pooler
+
+            config = apply_pooler(config, pooler)
+        return config
 
     def _resolve_kv_events(self):
         """--kv-events-config, checked against the rest of the engine."""

@@ -150,6 +150,31 @@ class LLM:
         if method in engine_calls:  # through the engine: the prefix cache is reset with them
             return [engine_calls[method](*args, **(kwargs or {}))]
         return self.engine.core.executor.collective_rpc(method, args, kwargs)
+    # ---- pooling models (kvtide/pooling/offline.py) -------------------------------------------
+    def encode(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
+        """PoolingRequestOutputs: each prompt's pooled output as the model's pooler makes it."""
+        from kvtide.pooling import offline
+
+        return offline.encode(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
+        """EmbeddingRequestOutputs (`.outputs.embedding`) of an embedding model."""
+        from kvtide.pooling import offline
+
+        return offline.embed(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def classify(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
+        """ClassificationRequestOutputs (`.outputs.probs`) of a sequence classification model."""
+        from kvtide.pooling import offline
+
+        return offline.classify(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None,
+              pooling_params=None):
+        """ScoringRequestOutputs (`.outputs.score`), one per pair: one-to-one or one-to-many."""
+        from kvtide.pooling import offline
+
+        return offline.score(self, text_1, text_2, use_tqdm, truncate_prompt_tokens, pooling_params)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False,

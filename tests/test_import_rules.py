@@ -11,6 +11,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "kvtide"
 DEVICE_PACKAGES = ("kvtide.worker", "kvtide.models", "kvtide.layers", "kvtide.attention")
 PURE_SPEC_DECODE = ("kvtide.spec_decode.config", "kvtide.spec_decode.policy", "kvtide.spec_decode.metrics")
 """The speculative-decoding modules policy code may use: plain Python (the rest of the package runs models)."""
+PURE_POOLING = ("kvtide.pooling.params", "kvtide.pooling.outputs", "kvtide.pooling.config", "kvtide.pooling.scoring")
+"""The pooling modules the engine and the server use: plain Python, the public pooling types."""
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -41,8 +43,15 @@ def test_pure_spec_decode_modules_import_no_torch():
         assert all(i in PURE_SPEC_DECODE for i in imports if i.startswith("kvtide.")), name
 
 
+def test_pure_pooling_modules_import_no_torch():
+    for name in PURE_POOLING:
+        imports = _imports(PKG / (name.removeprefix("kvtide.").replace(".", "/") + ".py"))
+        assert not [i for i in imports if i == "torch" or i.startswith(("torch.", *DEVICE_PACKAGES))], name
+        assert all(i in PURE_POOLING for i in imports if i.startswith("kvtide.")), name
+
+
 def test_server_imports_only_engine_and_public_types():
-    allowed = ("kvtide.engine", "kvtide.server", "kvtide.sampling_params", "kvtide.outputs",
+    allowed = ("kvtide.engine", "kvtide.server", "kvtide.sampling_params", "kvtide.outputs", *PURE_POOLING,
                "kvtide.engine_args", "kvtide.config", "kvtide.bootstrap", "kvtide.spec_decode.metrics",
                "kvtide.tool_parsers", "kvtide.reasoning", "kvtide.sizes", "kvtide.net_auth",
                "kvtide.batch")

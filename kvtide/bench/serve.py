@@ -62,10 +62,14 @@ from kvtide.bench.structured_figures import structured_output_summary
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--backend", choices=sorted(oai.BACKENDS), default="openai",
+    parser.add_argument("--backend", choices=sorted(oai.BACKENDS) + ["openai-embeddings", "rerank"], default="openai",
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions (the prompt as one user "
-                             "message); openai-responses: /v1/responses (the prompt as its input)")
+                             "message); openai-responses: /v1/responses (the prompt as its input); "
+                             "openai-embeddings or rerank: a pooling server's /v1/embeddings or /v1/rerank "
+                             "(kvtide/bench/pooling.py)")
     parser.add_argument("--endpoint", default=None, help="path of the API (default: the backend's)")
+    parser.add_argument("--embedding-batch-size", type=int, default=1, help="openai-embeddings: texts per request")
+    parser.add_argument("--rerank-documents", type=int, default=100, help="rerank: documents per query")
     parser.add_argument("--model", default=None, help="model name for requests (default: the first of /v1/models)")
     add_dataset_args(parser)
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -316,6 +320,10 @@ def _finite(obj):
 
 
 def main_serve(args) -> int:
+    if args.backend != "openai":
+        from kvtide.bench.pooling import main_pooling
+
+        return main_pooling(args)
     result = asyncio.run(run_serve_benchmark(args))
     write_outputs(args, result)
     print(format_report(result))

@@ -39,6 +39,8 @@ from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
 from kvtide.lora.request import LoRARequest
 from kvtide.outputs import RequestOutput
+from kvtide.pooling.outputs import PoolingRequestOutput
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +62,10 @@ class IterationStats:
     num_prompt_tokens: int = 0
     """Prompt tokens of requests that got their first token in this batch."""
     num_generation_tokens: int = 0
+    num_pooling_requests: int = 0
+    """Pooling requests (embeddings, classification, scores) that finished in this batch."""
+    num_pooling_prompt_tokens: int = 0
+    """Their prompt tokens: counted here, apart from generation's prompt tokens."""
 
 
 @dataclass
@@ -180,14 +186,16 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, add_special_tokens: bool = True,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream RequestOutputs of one request until it finishes: DELTA (what each step added),
         or FINAL_ONLY (one, whole, at the end: the offline LLM's).
 
         Leaving the iteration early (cancellation, an error, aclose) aborts the request in the
-        engine, every sample of it."""
+        engine, every sample of it. With `pooling_params` (a pooling model) the one output is a
+        PoolingRequestOutput."""
         state = self._add_request(prompt, params, request_id, priority, add_special_tokens, output_kind,
-                                  lora_request)
+                                  lora_request, pooling_params)
         finished = False
         try:
             while True:
@@ -208,7 +216,8 @@ class AsyncLLM:
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int,
                      add_special_tokens: bool, output_kind: RequestOutputKind,
-                     lora_request: LoRARequest | None = None) -> _RequestState:
+                     lora_request: LoRARequest | None = None,
+                     pooling_params: PoolingParams | None = None) -> _RequestState:
         if self.client.dead_error is not None:
             raise self.client.dead_error
         if not isinstance(params, SamplingParams):
@@ -219,6 +228,8 @@ class AsyncLLM:
         arrival = time.time()
         core_requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival,
                                                            lora_request=lora_request)
+        for core_request in core_requests:
+            core_request.pooling_params = pooling_params
         child_ids = [r.request_id for r in core_requests]
         state = _RequestState(request_id, child_ids, len(processed.prompt_token_ids), arrival)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
@@ -335,8 +346,13 @@ class AsyncLLM:
                 state.queue_time_recorded = True
                 iteration.queue_times.append(max(0.0, when - state.arrival_time))
 
-    def _record_tokens(self, state: _RequestState, output: RequestOutput, now: float,
+    def _record_tokens(self, state: _RequestState, output: RequestOutput | PoolingRequestOutput, now: float,
                        iteration: IterationStats) -> None:
+        if isinstance(output, PoolingRequestOutput):  # prefill only: no tokens, no first-token time
+            state.finish_reasons[0] = "stop"
+            iteration.num_pooling_requests += 1
+            iteration.num_pooling_prompt_tokens += state.num_prompt_tokens
+            return
         num_new = sum(len(c.token_ids) for c in output.outputs)
         for completion in output.outputs:
             if completion.finish_reason is not None:

@@ -110,11 +110,22 @@ class EngineCore:
         """Admit a request; ValueError (nothing changed) if it can never run."""
         if self.sleep_level:
             raise ValueError(f"the engine is asleep (level {self.sleep_level}): wake_up() first")
+        self._check_runner(core_request)
         if not self.beam_search.add_request(core_request):
             self.scheduler.add_request(Request(core_request))
 
     def check_request(self, core_request: EngineCoreRequest) -> None:
+        self._check_runner(core_request)
         self.scheduler.check_request(Request(core_request))
+
+    def _check_runner(self, core_request: EngineCoreRequest) -> None:
+        """A pooling model (kvtide/pooling/) takes pooling requests only, a generation model none."""
+        pooling_model = getattr(self.config.model_config, "pooler_config", None) is not None
+        if pooling_model and core_request.pooling_params is None:
+            raise ValueError("this is a pooling model: it embeds, classifies and scores (LLM.embed, classify, "
+                             "score; /v1/embeddings, /classify, /score, /rerank) but does not generate")
+        if not pooling_model and core_request.pooling_params is not None:
+            raise ValueError("this is a generation model: pooling requests need a pooling model (--runner pooling)")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         request_ids = self.beam_search.abort(request_ids)

@@ -83,6 +83,8 @@ class EngineCoreInfo:
     architecture: str = ""
     """The architecture the model runs as, and the implementation running it (kvtide or transformers)."""
     model_impl: str = ""
+    pooler: dict | None = None
+    """A pooling model's PoolerConfig fields and hidden_size (kvtide/pooling/config.py); None: generation."""
 
 
 @dataclass

@@ -15,6 +15,8 @@ from kvtide.engine.input_processor import InputProcessor, PromptType
 from kvtide.engine.output_processor import OutputProcessor, RequestOutputKind
 from kvtide.lora.request import LoRARequest
 from kvtide.outputs import RequestOutput
+from kvtide.pooling.outputs import PoolingRequestOutput
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,9 +36,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> None:
         """Validate and queue a request. Raises ValueError before changing anything. A LoRA adapter
-        is the caller's to load first (`add_lora`: that checks it)."""
+        is the caller's to load first (`add_lora`: that checks it). With `pooling_params` (a pooling
+        model) it ends with a PoolingRequestOutput once its prompt is computed."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.output_processor.requests:
@@ -45,6 +48,7 @@ class LLMEngine:
         core_requests = self.input_processor.make_requests(request_id, processed, params, priority,
                                                            lora_request=lora_request)
         for core_request in core_requests:
+            core_request.pooling_params = pooling_params
             self.core.check_request(core_request)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, [r.request_id for r in core_requests], output_kind,
@@ -87,7 +91,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.core.step()
         for out in core_outputs:
             if out.error is not None:  # offline there is no error object to hand back: say it here

@@ -24,6 +24,8 @@ class EngineCoreOutput:
     error_status: int | None = None
     """With `error`: the HTTP status the server answers with when the request itself is at fault
     (400: its grammar does not compile; 408: its grammar took too long); None: the engine's fault (500)."""
+    pooling_output: list[float] | None = None
+    """A pooling request's result (it finishes with it): an embedding, class probabilities, a score."""
 
     @property
     def finished(self) -> bool:

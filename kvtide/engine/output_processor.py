@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvtide.engine.detokenizer import IncrementalDetokenizer
 from kvtide.engine.messages import EngineCoreOutput
 from kvtide.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from kvtide.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from kvtide.sampling_params import SamplingParams
 
 
@@ -55,6 +56,8 @@ class RequestState:
     first_token_time: float | None = None
     error: str | None = None
     kv_transfer_params: dict | None = None
+    pooled: list[float] | None = None
+    """A pooling request's output, once its prompt is computed."""
 
     @property
     def finished(self) -> bool:
@@ -105,7 +108,8 @@ class OutputProcessor:
                     to_abort.append(child_id)
         return to_abort
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns (request outputs to deliver, engine-core ids to abort because of stop strings)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
@@ -121,6 +125,8 @@ class OutputProcessor:
                 state.error = out.error
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.pooling_output is not None:
+                state.pooled = out.pooling_output
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if out.new_token_ids and state.first_token_time is None:
@@ -181,9 +187,12 @@ class OutputProcessor:
             state.prompt_logprobs.append(  # type: ignore[union-attr]
                 self._logprob_dict(token_id, lp, rank, top_ids, top_lps))
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
         kind = state.output_kind
         finished = state.finished
+        if state.pooled is not None:
+            return PoolingRequestOutput(state.request_id, PoolingOutput(state.pooled), state.prompt_token_ids,
+                                        finished, state.num_cached_tokens, state.prompt)
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = []

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtide.lora.request import LoRARequest
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class EngineCoreRequest:
     blocks; the other output slots of a beam search name its root beam."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter this request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling model's request (kvtide/pooling/): prefill only; it ends with its pooled output
+    once the prompt is computed, and samples nothing."""
 
     def __post_init__(self) -> None:
         self.lora_request = LoRARequest.from_wire(self.lora_request)  # a dict when it crossed a process boundary
@@ -84,6 +88,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.fork_of = core_request.fork_of
         self.lora_request = core_request.lora_request
+        self.pooling_params = core_request.pooling_params
         self.spec_stats = None
         """Speculative decoding: this request's acceptance estimate (spec_decode/policy.py)."""
         self.grammar_future = None

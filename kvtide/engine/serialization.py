@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtide.engine.messages import EngineCoreOutput, SchedulerStats
 from kvtide.engine.request import EngineCoreRequest
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 from kvtide.wire_codec import decode as decode  # re-exported: the envelope of every message here
 from kvtide.wire_codec import encode as encode
@@ -56,12 +57,14 @@ def request_to_wire(request: EngineCoreRequest) -> dict[str, Any]:
     wire = {name: getattr(request, name) for name in _REQUEST_FIELDS}
     wire["sampling_params"] = params_to_wire(request.sampling_params)
     wire["prompt_token_ids"] = list(request.prompt_token_ids)
+    wire["pooling_params"] = request.pooling_params.to_wire() if request.pooling_params is not None else None
     return wire
 
 
 def request_from_wire(wire: dict[str, Any]) -> EngineCoreRequest:
     fields = {name: wire[name] for name in _REQUEST_FIELDS if name in wire}
     fields["sampling_params"] = params_from_wire(wire["sampling_params"])
+    fields["pooling_params"] = PoolingParams.from_wire(wire.get("pooling_params"))
     return EngineCoreRequest(**fields)
 
 

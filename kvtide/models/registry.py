@@ -28,6 +28,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("kvtide.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("kvtide.models.gemma", "Gemma3ForConditionalGeneration"),
     "GptOssForCausalLM": ("kvtide.models.gpt_oss", "GptOssForCausalLM"),
+    # Pooling models (kvtide/pooling/): embedders, sequence classifiers, encoders.
+    **{arch: ("kvtide.models.pooling_decoders", arch) for arch in (
+        "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
+        "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")},
+    **{arch: ("kvtide.models.bert", arch) for arch in ("BertModel", "XLMRobertaModel", "RobertaModel")},
 }
 TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration"})
 """Multimodal architectures served as their text model: the engine reads their text_config."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 from kvtide.lora.request import LoRARequest
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the scheduler's floor runs without torch
@@ -39,6 +40,8 @@ class NewRequestData:
     """Output tokens among `token_ids` (generated before a preemption)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request: the runner pools its prompt's hidden states instead of sampling."""
 
 
 @dataclass
@@ -179,3 +182,6 @@ class ModelRunnerOutput:
     expert_load: ExpertLoad | None = None
     """MoE models: this step's assignments per sparse layer and expert, and those the capacity cap
     skipped; None for dense models."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling models: request id -> its pooled output (an embedding, class probabilities, a score),
+    for the requests whose prompt this step finished; they end with it."""

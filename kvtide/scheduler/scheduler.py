@@ -429,6 +429,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens=request.num_output_tokens,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def _pick_victim(self, candidates: list[Request], current: Request) -> Request:
@@ -482,6 +483,13 @@ class Scheduler:
             if req_id in runner_output.failed:
                 request.status = RequestStatus.FINISHED_ABORTED
                 out.finish_reason, out.error = "abort", runner_output.failed[req_id]
+                stopped.append(request)
+                outputs.append(out)
+                continue
+            pooled = runner_output.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prompt: no token, no decode
+                request.status = RequestStatus.FINISHED_STOPPED
+                out.finish_reason, out.pooling_output = "stop", pooled
                 stopped.append(request)
                 outputs.append(out)
                 continue

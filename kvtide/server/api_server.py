@@ -45,6 +45,8 @@ from kvtide.server.openai.completions.api_router import router as completions_ro
 from kvtide.server.openai.lang.api_router import router as lang_router
 from kvtide.server.openai.lora.api_router import router as lora_router
 from kvtide.server.openai.lora.modules import LoRAModules
+from kvtide.server.openai.pooling.api_router import PoolingModelGuard
+from kvtide.server.openai.pooling.api_router import router as pooling_router
 from kvtide.server.openai.responses.api_router import router as responses_router
 from kvtide.server.openai.tokenize.api_router import router as tokenize_router
 from kvtide.server.openai.websocket import router as websocket_router
@@ -74,6 +76,8 @@ def build_app(state: ServerState) -> Any:
     app.include_router(websocket_router)
     app.include_router(batches_router)
     app.include_router(lang_router)  # kvtide.lang's choice scoring (/v1/lang/score)
+    app.include_router(pooling_router)  # embeddings, classify, score, rerank (kvtide/pooling/)
+    app.add_middleware(PoolingModelGuard)  # a pooling model turns generation requests away
 
     @app.get("/health")
     async def health(raw_request: Request) -> Response:

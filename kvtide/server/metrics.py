@@ -101,6 +101,10 @@ class ServerMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.pooling_requests = counter("pooling_requests", "Pooling requests (embeddings, classification, "
+                                        "scores) finished; not counted as generation.")
+        self.pooling_prompt_tokens = counter("pooling_prompt_tokens", "Prompt tokens of pooling requests "
+                                             "(apart from prompt_tokens, which counts generation's).")
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -206,6 +210,9 @@ class ServerMetrics:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_pooling_requests:
+            self.pooling_requests.inc(stats.num_pooling_requests)
+            self.pooling_prompt_tokens.inc(stats.num_pooling_prompt_tokens)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self._finished.labels(finished_reason=stats.finish_reason, **self._labels).inc()

@@ -16,6 +16,7 @@ import torch
 
 from kvtide.attention.backend import AttentionMetadata
 from kvtide.lora.request import LoRARequest
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling.metadata import RowState, SamplingMetadata, SamplingRowTable
 from kvtide.sampling_params import SamplingParams
 from kvtide.scheduler.output import CachedRequestData, SchedulerOutput
@@ -34,6 +35,8 @@ class CachedRequestState:
     """Fresh each time the runner (re)receives the request in full; see AttentionMetadata.row_uids."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request (kvtide/pooling/runner.py pools it instead of sampling)."""
 
     def row_state(self) -> RowState:
         return RowState(self.sampling_params, self.token_ids[:self.num_prompt_tokens],
@@ -142,7 +145,8 @@ class InputBatch:
             self._remove(new.request_id)
             self._add(CachedRequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                                          new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                                         uid=next(uids), lora_request=new.lora_request))
+                                         uid=next(uids), lora_request=new.lora_request,
+                                         pooling_params=new.pooling_params))
         if not so.scheduled_cached_reqs:
             return
         requests, row_of = self.requests, self.row_of

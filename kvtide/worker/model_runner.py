@@ -143,6 +143,12 @@ class ModelRunner:
         """(decoder layer index, FusedMoE) of each sparse layer: their expert load is reported per step."""
         for _, moe in self.moe_layers:
             moe.capacity_factor = mc.moe_capacity_factor
+        # ---- pooling hook: a pooling model pools its prompts' hidden states instead of sampling
+        self.pooling = None
+        if mc.pooler_config is not None:
+            from kvtide.pooling.runner import PoolingRunner
+
+            self.pooling = PoolingRunner(self.model, mc.pooler_config)
 
     def _calibrate_quantization(self, model_dir: str) -> None:
         """Run the float model over the calibration text with its quantization's observers, then
@@ -188,6 +194,9 @@ class ModelRunner:
                      for a in self._cached_attention_layers()]
         if self.kv_groups:
             return self.block_size * num_slots(self._group_slots()) * max(per_layer)
+        if not per_layer:  # an encoder keeps no paged cache: a block stands for its tokens' hidden states
+            mc = self.config.model_config
+            return self.block_size * mc.hf_config.hidden_size * mc.dtype.itemsize
         return self.block_size * sum(per_layer)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -300,6 +309,8 @@ class ModelRunner:
             output.kv_connector_output = connector.save_kv(so.kv_connector_metadata)
         if hidden is None:  # a pipeline stage before the last: the tokens it samples come with later steps
             return output
+        if self.pooling is not None:
+            return self._pool(so, inputs, hidden, output)
         if mass is not None:
             get_tp_group().all_reduce(mass)  # each TP rank's heads' share (a no-op at tp 1)
             output.kv_block_mass = {req_id: mass[i, :-(-inputs.metadata.seq_lens_cpu[i] // self.block_size)].tolist()
@@ -414,7 +425,19 @@ class ModelRunner:
             self.input_batch.append_tokens(state.request_id, emitted[state.request_id] or [0])
         return emitted
 
+    def _pool(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+              output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Pooling models: the requests whose prompt ends here get their pooled output (and end)."""
+        states = [self.requests[req_id] for req_id in inputs.order]
+        output.pooler_output = self.pooling.pool(  # type: ignore[union-attr]
+            inputs.order, list(inputs.metadata.query_start_loc_cpu), hidden,
+            [s.num_computed_tokens for s in states], [s.num_prompt_tokens for s in states],
+            [s.pooling_params for s in states])
+        return output
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.pooling is not None:  # a request sent in full (again) pools its prompt from the start
+            self.pooling.forget(so.finished_req_ids | {r.request_id for r in so.scheduled_new_reqs})
         self.input_batch.update(so, self._uids, self.samples)
         if self.spec is not None and so.finished_req_ids:
             self.spec.forget(so.finished_req_ids)

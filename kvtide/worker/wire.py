@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvtide.engine.serialization import params_from_wire, params_to_wire
+from kvtide.pooling.params import PoolingParams
 from kvtide.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvtide.structured_output.step import StepBitmask
 
@@ -37,7 +38,8 @@ def scheduler_output_to_wire(so: SchedulerOutput) -> dict[str, Any]:
 
 def scheduler_output_from_wire(wire: dict[str, Any]) -> SchedulerOutput:
     fields = dict(wire)
-    fields["scheduled_new_reqs"] = [NewRequestData(**{**r, "sampling_params": params_from_wire(r["sampling_params"])})
+    fields["scheduled_new_reqs"] = [NewRequestData(**{**r, "sampling_params": params_from_wire(r["sampling_params"]),
+                                                      "pooling_params": PoolingParams.from_wire(r.get("pooling_params"))})
                                     for r in wire["scheduled_new_reqs"]]
     fields["scheduled_cached_reqs"] = [CachedRequestData(**c) for c in wire["scheduled_cached_reqs"]]
     fields["finished_req_ids"] = set(wire["finished_req_ids"])

@@ -1,0 +1,87 @@
+"""BERT-family encoders through the engine against Hugging Face (CLS and MEAN pooling, mixed
+lengths in one batch) and against sentence-transformers' `encode` where a modules.json is present."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from pooling_reference import PROMPTS, cosine_distance, hf_embedding
+
+from kvtide import LLM
+
+ENCODER = dict(num_key_value_heads=None, intermediate_size=256, max_position_embeddings=512, type_vocab_size=2)
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory="4MiB",
+               max_num_seqs=8, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(checkpoint_factory) -> str:
+    return checkpoint_factory("BertModel", seed=17, **ENCODER)
+
+
+def test_bert_cls_embeddings_match_hf(bert_dir):
+    llm = make_llm(bert_dir)
+    try:
+        config = llm.engine.core.config
+        assert config.model_config.pooler_config.pooling_type == "CLS"
+        assert not config.cache_config.enable_prefix_caching and not config.scheduler_config.enable_chunked_prefill
+        outputs = llm.embed(PROMPTS)
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            assert cosine_distance(output.outputs.embedding, hf_embedding(bert_dir, prompt, "CLS")) < 1e-5
+    finally:
+        llm.shutdown()
+
+
+def test_xlm_roberta_mean_embeddings_match_hf(checkpoint_factory):
+    model_dir = checkpoint_factory("XLMRobertaModel", seed=19, **{**ENCODER, "max_position_embeddings": 260})
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory="4MiB", max_num_seqs=8,
+              pooler_config='{"pooling_type": "MEAN", "normalize": false}')
+    try:
+        # Positions start past the padding id (2 here): 260 - 3 usable, whatever config.json says.
+        assert llm.engine.core.config.model_config.max_model_len == 257
+        outputs = llm.embed(PROMPTS)
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            reference = hf_embedding(model_dir, prompt, "MEAN", normalize=False)
+            assert torch.allclose(torch.tensor(output.outputs.embedding), reference, atol=1e-4, rtol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("base,mode", [("bert", "mean_tokens"), ("bert", "cls_token"), ("qwen3", "lasttoken")])
+def test_sentence_transformers_layout_matches_its_encode(bert_dir, checkpoint_factory, tmp_path, base, mode):
+    """BERT with mean or CLS pooling (bge, e5 layouts); a Qwen3 embedding checkpoint with last-token
+    pooling (the Qwen3-Embedding layout)."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = str(tmp_path / "st")
+    shutil.copytree(bert_dir if base == "bert" else checkpoint_factory("Qwen3Model", seed=3, head_dim=32), model_dir)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    with open(os.path.join(model_dir, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(model_dir, "1_Pooling"))
+    os.makedirs(os.path.join(model_dir, "2_Normalize"))
+    with open(os.path.join(model_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 128, "pooling_mode_cls_token": mode == "cls_token",
+                   "pooling_mode_mean_tokens": mode == "mean_tokens", "pooling_mode_max_tokens": False,
+                   "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": mode == "lasttoken"}, f)
+    with open(os.path.join(model_dir, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 256, "do_lower_case": False}, f)
+    reference = SentenceTransformer(model_dir, device="cpu").encode(PROMPTS, convert_to_tensor=True, batch_size=3)
+    llm = make_llm(model_dir)
+    try:
+        expected_type = {"mean_tokens": "MEAN", "cls_token": "CLS", "lasttoken": "LAST"}[mode]
+        assert llm.engine.core.config.model_config.pooler_config.pooling_type == expected_type
+        outputs = llm.embed(PROMPTS)
+        for output, expected in zip(outputs, reference, strict=True):
+            assert cosine_distance(output.outputs.embedding, expected) < 1e-5
+    finally:
+        llm.shutdown()
