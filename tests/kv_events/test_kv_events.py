@@ -205,3 +205,27 @@ def test_a_port_in_use_is_a_clear_startup_error(llama_dir):
         with pytest.raises(ValueError, match="cannot bind"):
             LLM(llama_dir, kv_cache_memory="1MiB", max_model_len=256,
                 kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": None})
+
+
+def test_a_chain_under_a_lora_adapter_carries_its_id():
+    """The first block's key names the adapter (prefix_cache.extra_keys_for); its chain inherits it,
+    and a chain of the base model beside it says none."""
+    from kvtide.kv_cache.prefix_cache import extra_keys_for, get_hash_fn, hash_request_blocks
+    from kvtide.kv_events import KVEventRecorder
+
+    hash_fn = get_hash_fn("sha256")
+    tokens = list(range(3, 3 + 3 * BLOCK_SIZE))
+    adapter, base = [], []
+    hash_request_blocks(hash_fn, tokens, BLOCK_SIZE, adapter, lora_int_id=7)
+    hash_request_blocks(hash_fn, tokens, BLOCK_SIZE, base)
+    assert adapter[0].extra_keys == extra_keys_for(None, 7)
+    recorder = KVEventRecorder()
+    for keys in (adapter, base):
+        for i, key in enumerate(keys):
+            recorder.stored(key, keys[i - 1] if i else None)
+    stored = recorder.take()
+    assert [(len(e.block_hashes), e.lora_id) for e in stored] == [(3, 7), (3, None)]
+    assert set(stored[0].block_hashes).isdisjoint(stored[1].block_hashes)
+    recorder.stored(adapter[0], None)
+    recorder.removed(adapter[0])
+    assert [type(e).__name__ for e in recorder.take()] == ["BlockStored", "BlockRemoved"]
