@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ class PayloadOptions:
                 out.append(PayloadOptions(**{name: name in kept for name in wanted}, temperature=self.temperature,
                                           api=self.api))
         return out
+
+
+def auth_headers() -> dict[str, str]:
+    """`Authorization: Bearer $OPENAI_API_KEY` when the variable is set (as vLLM's benchmark client
+    sends it), for a server started with --api-key."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 BACKENDS = {"openai": ("completions", "/v1/completions"), "openai-chat": ("chat", "/v1/chat/completions"),

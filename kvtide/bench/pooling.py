@@ -54,7 +54,8 @@ async def run_pooling_benchmark(args, texts: list[str] | None = None) -> dict:
     tokens = 0
     sequences = 0
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None),
+                                 headers=oai.auth_headers()) as http:
         model = args.model or await oai.fetch_first_model(http, base_url)
         warm = await http.post(base_url + path, json={**bodies[0], "model": model})
         if warm.status_code != 200:

@@ -223,7 +223,7 @@ async def run_serve_benchmark(args, jobs: list[Conversation] | None = None, toke
     offsets = arrival_offsets(len(jobs), args.request_rate, args.burstiness, args.seed)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=oai.auth_headers()) as http:
         model = args.model or await oai.fetch_first_model(http, base_url)
         from kvtide.bench.datasets import PromptMaker
 
@@ -320,7 +320,7 @@ def _finite(obj):
 
 
 def main_serve(args) -> int:
-    if args.backend != "openai":
+    if args.backend not in oai.BACKENDS:  # the pooling backends
         from kvtide.bench.pooling import main_pooling
 
         return main_pooling(args)
