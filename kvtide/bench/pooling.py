@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 
 from kvtide.bench import client as oai
+from kvtide.bench.arrivals import arrival_offsets
 from kvtide.bench.common import machine_record
 
 POOLING_BACKENDS = ("openai-embeddings", "rerank")
@@ -31,7 +32,6 @@ POOLING_BACKENDS = ("openai-embeddings", "rerank")
 async def run_pooling_benchmark(args, texts: list[str] | None = None) -> dict:
     """Run the pooling load the flags describe; returns the result dict."""
     from kvtide.bench.datasets import build_dataset, load_tokenizer_for_bench
-    from kvtide.bench.serve import arrival_offsets
 
     if texts is None:
         tokenizer = load_tokenizer_for_bench(args.tokenizer, args.model)

@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 
 from kvtide.bench import client as oai
+from kvtide.bench.arrivals import arrival_offsets
 from kvtide.bench.common import format_machine, machine_record
 from kvtide.bench.datasets import (
     Conversation,
@@ -96,20 +97,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--metrics-interval", type=float, default=0.5,
                         help="seconds between /metrics polls for the running-requests plot")
-
-
-def arrival_offsets(num_jobs: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
-    """Start time of each job, seconds from the first: gamma intervals with mean 1/rate."""
-    if request_rate <= 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
-    if burstiness <= 0:
-        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
-    if math.isinf(request_rate):
-        return [0.0] * num_jobs
-    rng = np.random.default_rng(seed)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_jobs)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
 
 
 class ServeRun:

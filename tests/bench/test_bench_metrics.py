@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvtide.bench.arrivals import arrival_offsets
 from kvtide.bench.client import parse_prometheus, server_counter_deltas
 from kvtide.bench.metrics import (
     RequestRecord,
@@ -17,7 +18,6 @@ from kvtide.bench.metrics import (
     summarize,
     throughput_over_time,
 )
-from kvtide.bench.serve import arrival_offsets
 
 
 def record(start: float, ttft: float, itl: float, n: int, ok: bool = True, prompt_len: int = 10) -> RequestRecord:
