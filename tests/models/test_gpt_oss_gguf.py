@@ -26,8 +26,17 @@ from gguf.quants import dequantize, quantize
 from gguf_writer import _add_tokenizer, build_bpe_checkpoint
 from hf_reference import hf_greedy
 from safetensors.torch import load_file, save_file
-from test_gpt_oss import ARCH, CONFIG, GREEDY_LOGPROBS, MAX_TOKENS, PROMPTS, WINDOW, assert_matches_hf, make_llm, \
-    perturb_weights
+from test_gpt_oss import (
+    ARCH,
+    CONFIG,
+    GREEDY_LOGPROBS,
+    MAX_TOKENS,
+    PROMPTS,
+    WINDOW,
+    assert_matches_hf,
+    make_llm,
+    perturb_weights,
+)
 
 from kvtide.layers.quantization.mxfp4 import dequantize_expert_weight
 from kvtide.models.gguf_checkpoint import iterate_gguf_weights, prepare_gguf_model_dir
@@ -188,9 +197,10 @@ def test_f32_gguf_gives_back_the_checkpoint_weights(checkpoint, tmp_path, fuse_g
 
 
 def test_config_from_the_file_is_the_checkpoints(checkpoint, f32_gguf):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
-    ours = AutoConfig.from_pretrained(prepare_gguf_model_dir(f32_gguf))
+    prepared = prepare_gguf_model_dir(f32_gguf)
+    ours = AutoConfig.from_pretrained(prepared)
     theirs = AutoConfig.from_pretrained(checkpoint)
     assert type(ours) is type(theirs)
     for field in ("layer_types", "sliding_window", "rope_parameters", "head_dim", "num_local_experts",
@@ -199,14 +209,19 @@ def test_config_from_the_file_is_the_checkpoints(checkpoint, f32_gguf):
                   "max_position_embeddings", "hidden_size"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)  # float32 in the file
+    tokenizer, reference = AutoTokenizer.from_pretrained(prepared), AutoTokenizer.from_pretrained(checkpoint)
+    assert tokenizer.chat_template == reference.chat_template and tokenizer.chat_template
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (reference.bos_token_id, reference.eos_token_id)
 
 
 def test_f32_gguf_matches_hf_in_a_chunked_batch_of_four(checkpoint, f32_gguf):
     llm = make_llm(f32_gguf, max_num_batched_tokens=13)  # below every prompt but "Hello"
     model = llm.engine.core.executor.runner.model
-    assert type(model).__name__ == ARCH and model.quant_config is None
+    assert type(model).__name__ == ARCH and getattr(model, "quant_config", None) is None
     outputs = llm.generate(PROMPTS, GREEDY_LOGPROBS)
     assert sum(len(out.prompt_token_ids) > WINDOW for out in outputs) >= 3
+    # the long prompt passes YaRN's original context, so the file's rope scaling is exercised
+    assert max(len(out.prompt_token_ids) for out in outputs) > CONFIG["rope_parameters"]["original_max_position_embeddings"]
     assert_matches_hf(checkpoint, PROMPTS, outputs, check_logprobs=True)
     assert all(len(set(out.outputs[0].token_ids)) >= 4 for out in outputs)  # not a degenerate repeat
 
