@@ -246,6 +246,18 @@ def test_mxfp4_gguf_matches_hf_on_its_dequantized_weights_with_experts_held_4_bi
                                decoded[f"model.layers.{i}.mlp.experts.{weight}"])
 
 
+def test_mxfp4_gguf_exports_the_float_checkpoint_it_decodes_to(mxfp4_files):
+    """The float export (for engines that read only safetensors) holds the decoded experts."""
+    from kvtide.models.gguf_checkpoint import export_hf_checkpoint
+
+    path, decoded_dir = mxfp4_files
+    exported = export_hf_checkpoint(path, os.path.join(os.environ["KVTIDE_CACHE"], "export-gptoss-mxfp4"))
+    weights = load_file(os.path.join(exported, "model.safetensors"))
+    decoded = load_file(os.path.join(decoded_dir, "model.safetensors"))
+    assert set(weights) == set(decoded)
+    assert all(torch.equal(weights[name], decoded[name]) for name in decoded)
+
+
 def test_other_architectures_are_refused_naming_gpt_oss(tmp_path):
     path = str(tmp_path / "falcon.gguf")
     writer = GGUFWriter(path, "falcon")
