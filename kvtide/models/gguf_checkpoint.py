@@ -6,7 +6,8 @@ cached directory (config.json, generation_config.json, tokenizer files, a marker
 the rest of the engine loads a GGUF model as it loads any checkpoint; the weights are not copied:
 `iterate_gguf_weights` streams them from the file, renamed to transformers' names and with
 llama.cpp's rotary permutation of q/k undone (and, for Gemma, the 1 its converter adds to every norm
-weight taken off again). Quantized linears and embeddings stay quantized
+weight taken off again; for gpt-oss, its split expert tensors fused back into transformers' interleaved
+gate_up layout, see gpt_oss_expert_tensors). Quantized linears and embeddings stay quantized
 (their block codes decoded into the engine's layout, layers/quantization/gguf.py); the rest is
 dequantized with the `gguf` package's own kernels.
 """
@@ -33,13 +34,15 @@ FORMAT_VERSION = "3"
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}
 """GGUF general.architecture -> the transformers architecture kvtide serves it as."""
 
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+                     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 """Tensor types kvtide reads: the quantized ones stay quantized in the linears and the token table
-(layers/quantization/gguf.py); any other tensor of them is dequantized on load to the engine dtype."""
+(layers/quantization/gguf.py); any other tensor of them is dequantized on load to the engine dtype
+(gpt-oss's MXFP4 experts are held as stored where the model can, see gpt_oss_expert_tensors)."""
 
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 """llama.cpp's converter interleaves the rotary halves of q/k for these (its 'normal' rope); Qwen
@@ -61,6 +64,14 @@ itself; transformers' and kvtide's Gemma norms scale by 1 + w), so it is subtrac
 _FUSED_LAYER_TENSORS = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                         "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
 """Phi-3's fused tensors, by row blocks: attn_qkv is [q; k; v], its ffn_up [gate; up]."""
+_GPT_OSS_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.router",
+}
+"""gpt-oss's norm before the MoE is llama.cpp's post_attention_norm; its router is ffn_gate_inp."""
+GPT_OSS_SINKS = "attn_sinks"
+_GPT_OSS_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
@@ -150,6 +161,8 @@ def hf_config_dict(reader, path: str) -> dict[str, Any]:
         config.update(phi3_rope_config(reader, key, config, head_dim, path))
     if arch in GEMMA_ARCHITECTURES:
         config.update(gemma_config(arch, key, config, path))
+    elif arch == "gpt-oss":
+        config.update(gpt_oss_config(key, config, tensor_names, path))
     elif key("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"GGUF file {path} uses rotary scaling {key('rope.scaling.type')!r}, which kvtide does "
                          f"not read from GGUF yet; serve the Hugging Face checkpoint instead")
@@ -211,6 +224,48 @@ def gemma_config(arch: str, key, config: dict[str, Any], path: str) -> dict[str,
             full.update(rope_type="linear", factor=float(key("rope.scaling.factor")))
         out["rope_parameters"] = {"full_attention": full,
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return out
+
+
+GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_SWIGLU_ALPHA = 1.702
+"""The experts' clamp and sigmoid gain: not in a gpt-oss GGUF, fixed in llama.cpp as in the released models."""
+
+
+def gpt_oss_config(key, config: dict[str, Any], tensor_names: set[str], path: str) -> dict[str, Any]:
+    """gpt-oss fields of transformers' config. The file holds the experts (count, top-k, their inner
+    size), the window and YaRN's factor, original context and betas; llama.cpp fixes the rest: layers
+    alternate sliding then full (layer 0 sliding, as transformers' default `layer_types`), the SwiGLU
+    clamp 7 and gain 1.702. YaRN is taken untruncated (`truncate: false`), as the released checkpoints
+    declare it; an attention factor is kept only where the file gives one (else transformers derives it)."""
+    experts, used = key("expert_count"), key("expert_used_count")
+    if not experts or not used:
+        raise ValueError(f"GGUF file {path} lacks gpt-oss.expert_count or .expert_used_count: not a complete model")
+    window = key("attention.sliding_window")
+    out: dict[str, Any] = {
+        "model_type": "gpt_oss", "num_local_experts": int(experts), "num_experts_per_tok": int(used),
+        "intermediate_size": int(key("expert_feed_forward_length") or config["intermediate_size"]),
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "swiglu_limit": GPT_OSS_SWIGLU_LIMIT, "swiglu_alpha": GPT_OSS_SWIGLU_ALPHA,
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if window and i % 2 == 0 else "full_attention"
+                        for i in range(config["num_hidden_layers"])],
+    }
+    scaling = key("rope.scaling.type")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor")),
+                    original_max_position_embeddings=int(key("rope.scaling.original_context_length")
+                                                         or config["max_position_embeddings"]),
+                    beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        attention_factor = key("rope.scaling.yarn_attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = float(attention_factor)
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {path} uses rotary scaling {scaling!r}, which kvtide does not read from a "
+                         f"gpt-oss GGUF; serve the Hugging Face checkpoint instead")
+    out["rope_parameters"] = rope
     return out
 
 
@@ -282,6 +337,10 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
     parts = gguf_name.split(".")
+    if arch == "gpt-oss":
+        layer_tensors = _GPT_OSS_LAYER_TENSORS
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == GPT_OSS_SINKS and parts[3] == "weight":
+            return f"model.layers.{parts[1]}.self_attn.sinks"  # transformers' parameter has no .weight
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     return None
@@ -302,12 +361,16 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
     num_heads = _field(reader, f"{arch}.attention.head_count")
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
     index = []
+    experts: dict[tuple[int, str], dict[str, Any]] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" or tensor.name in _LONGROPE_TENSORS:  # read into the config
             continue
         parts = tensor.name.split(".")
         if arch == "phi3" and len(parts) == 4 and parts[2] in _FUSED_LAYER_TENSORS:
             index.extend(_fused_row_blocks(reader, tensor, arch, path))
+            continue
+        if arch == "gpt-oss" and len(parts) == 4 and parts[2] in _GPT_OSS_EXPERT_TENSORS:
+            experts.setdefault((int(parts[1]), parts[3]), {})[parts[2]] = tensor
             continue
         name = _hf_name(tensor.name, arch)
         if name is None:
@@ -321,7 +384,42 @@ def tensor_index(reader, path: str) -> list[dict[str, Any]]:
         if arch in GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             entry["subtract"] = GEMMA_NORM_SHIFT
         index.append(entry)
+    for (layer, suffix), tensors in sorted(experts.items()):
+        index.extend(_gpt_oss_expert_entries(layer, suffix, tensors, path))
     return index
+
+
+def _gpt_oss_expert_entries(layer: int, suffix: str, tensors: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """Index entries for one layer's expert weights (or biases): transformers' fused gate_up from
+    llama.cpp's ffn_gate_exps and ffn_up_exps (or its fused ffn_gate_up_exps, [gate; up] by rows),
+    and down_proj from ffn_down_exps. Each entry lists the file's tensors it is made of."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    name_of = {"down": "down_proj", "gate_up": "gate_up_proj"}
+    found = dict(tensors)
+    groups = []
+    if "ffn_down_exps" in found:
+        groups.append(("down", [found.pop("ffn_down_exps")]))
+    if "ffn_gate_up_exps" in found:
+        groups.append(("gate_up", [found.pop("ffn_gate_up_exps")]))
+    elif "ffn_gate_exps" in found and "ffn_up_exps" in found:
+        groups.append(("gate_up", [found.pop("ffn_gate_exps"), found.pop("ffn_up_exps")]))
+    if found:
+        raise ValueError(f"GGUF file {path}: {', '.join(t.name for t in found.values())} without the expert "
+                         f"tensors it pairs with (ffn_gate_exps with ffn_up_exps)")
+    entries = []
+    for layout, parts in groups:
+        types = [t.tensor_type.name for t in parts]
+        shapes = [[int(d) for d in reversed(t.shape)] for t in parts]
+        if len({tuple(shape) for shape in shapes}) != 1:
+            raise ValueError(f"GGUF file {path}: {' and '.join(t.name for t in parts)} differ in shape ({shapes})")
+        name = prefix + name_of[layout] + ("_bias" if suffix == "bias" else "")
+        entries.append({"name": name, "gguf_name": " + ".join(t.name for t in parts),
+                        "type": types[0] if len(set(types)) == 1 else "+".join(types),
+                        "permute_heads": None, "expert_layout": layout,
+                        "parts": [{"gguf_name": t.name, "type": t.tensor_type.name, "shape": shape,
+                                   "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
+                                  for t, shape in zip(parts, shapes, strict=True)]})
+    return entries
 
 
 def _fused_row_blocks(reader, tensor, arch: str, path: str) -> list[dict[str, Any]]:
@@ -364,6 +462,9 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None,
         index = tensor_index(open_gguf(path), path)
     data = np.memmap(path, mode="r")
     for entry in index:
+        if "parts" in entry:
+            yield from gpt_oss_expert_tensors(path, data, entry)
+            continue
         raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
         if len(raw) != entry["nbytes"]:
             raise ValueError(f"GGUF file {path} ends inside tensor {entry['gguf_name']}: the file is truncated; "
@@ -384,6 +485,101 @@ def iterate_gguf_weights(path: str, index: list[dict[str, Any]] | None = None,
         if entry.get("subtract"):
             weight = weight - np.float32(entry["subtract"])
         yield entry["name"], torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def _read_part(path: str, data: np.ndarray, part: dict[str, Any]) -> np.ndarray:
+    """One tensor's bytes, as (rows, bytes a row)."""
+    raw = data[part["offset"]:part["offset"] + part["nbytes"]]
+    if len(raw) != part["nbytes"]:
+        raise ValueError(f"GGUF file {path} ends inside tensor {part['gguf_name']}: the file is truncated; "
+                         f"download or convert it again")
+    return raw.reshape(int(np.prod(part["shape"][:-1])), -1)
+
+
+def _dequantized_part(path: str, data: np.ndarray, part: dict[str, Any]) -> np.ndarray:
+    from gguf import GGMLQuantizationType, dequantize
+
+    raw = _read_part(path, data, part)
+    try:
+        weight = dequantize(raw, GGMLQuantizationType[part["type"]])
+    except Exception as e:
+        raise ValueError(f"cannot read tensor {part['gguf_name']} of GGUF file {path} ({e}): the file is "
+                         f"corrupt") from e
+    return np.asarray(weight, dtype=np.float32).reshape(part["shape"])
+
+
+def _gate_and_up(arrays: list[np.ndarray], axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gate, up) from [gate, up], or from one fused [gate; up] split in halves along `axis`."""
+    if len(arrays) == 2:
+        return arrays[0], arrays[1]
+    gate, up = np.split(arrays[0], 2, axis=axis)
+    return gate, up
+
+
+def _interleaved(gate: np.ndarray, up: np.ndarray, axis: int) -> np.ndarray:
+    """transformers' gate_up layout: gate j at 2j, up j at 2j + 1 along `axis`."""
+    stacked = np.stack((gate, up), axis=axis + 1)
+    return stacked.reshape(*gate.shape[:axis], 2 * gate.shape[axis], *gate.shape[axis + 1:])
+
+
+MXFP4_BLOCK_BYTES = 17
+"""ggml's block_mxfp4: one e8m0 scale byte, then 16 bytes of 32 e2m1 codes."""
+
+
+def mxfp4_blocks_as_hf(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 rows (rows, G * 17) -> transformers' (rows, G, 16) codes and (rows, G) scales.
+
+    The codes and scales are the same numbers in both (e2m1 codes 0-15 in the same order, the e8m0
+    scale byte); only the nibble order differs: ggml's byte j holds element j (low nibble) and
+    element j + 16 (high), transformers' byte i elements 2i (low) and 2i + 1 (high)."""
+    blocks = raw.reshape(raw.shape[0], -1, MXFP4_BLOCK_BYTES)
+    scales = np.ascontiguousarray(blocks[..., 0])
+    packed = blocks[..., 1:]
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # element order 0..31
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), scales
+
+
+def _mxfp4_part(path: str, data: np.ndarray, part: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """One MXFP4 expert tensor (E, rows, cols) as transformers' blocks (E, rows, cols / 32, 16) and
+    scales (E, rows, cols / 32), checked on its first rows against gguf's own dequantization."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from kvtide.layers.quantization.mxfp4 import dequantize_mxfp4
+
+    raw = _read_part(path, data, part)
+    blocks, scales = mxfp4_blocks_as_hf(raw)
+    check = min(len(raw), SELF_CHECK_ROWS)
+    ours = dequantize_mxfp4(torch.from_numpy(blocks[:check]), torch.from_numpy(scales[:check])).numpy()
+    if not np.array_equal(ours, dequantize(raw[:check], GGMLQuantizationType.MXFP4)):
+        raise ValueError(f"GGUF file {path}: MXFP4 tensor {part['gguf_name']} does not decode to gguf's values "
+                         f"in transformers' layout")
+    experts, rows, cols = part["shape"]
+    return blocks.reshape(experts, rows, cols // 32, 16), scales.reshape(experts, rows, cols // 32)
+
+
+def gpt_oss_expert_tensors(path: str, data: np.ndarray, entry: dict[str, Any]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One gpt-oss expert entry in transformers' layout: gate_up_proj (E, H, 2I) with gate and up
+    interleaved along its last dim, down_proj (E, I, H), their biases (E, 2I) and (E, H). llama.cpp
+    stores each projection as (E, out, in) rows, gate and up apart. An all-MXFP4 weight comes as
+    `<name>_blocks` and `<name>_scales` (transformers' MXFP4 checkpoint layout, (E, out, in / 32, 16)
+    and (E, out, in / 32), gate_up rows interleaved), which the model holds as they are or decodes."""
+    name, layout, parts = entry["name"], entry["expert_layout"], entry["parts"]
+    if not name.endswith("_bias") and all(part["type"] == "MXFP4" for part in parts):
+        blocks, scales = zip(*(_mxfp4_part(path, data, part) for part in parts), strict=True)
+        if layout == "gate_up":
+            blocks = [_interleaved(*_gate_and_up(list(blocks), 1), axis=1)]
+            scales = [_interleaved(*_gate_and_up(list(scales), 1), axis=1)]
+        yield f"{name}_blocks", torch.from_numpy(np.ascontiguousarray(blocks[0]))
+        yield f"{name}_scales", torch.from_numpy(np.ascontiguousarray(scales[0]))
+        return
+    arrays = [_dequantized_part(path, data, part) for part in parts]
+    if name.endswith("_bias"):  # (E, out)
+        out = _interleaved(*_gate_and_up(arrays, 1), axis=1) if layout == "gate_up" else arrays[0]
+    else:  # (E, out, in) -> (E, in, out)
+        weight = _interleaved(*_gate_and_up(arrays, 1), axis=1) if layout == "gate_up" else arrays[0]
+        out = weight.transpose(0, 2, 1)
+    yield name, torch.from_numpy(np.array(out, dtype=np.float32, order="C"))  # a copy: F32 reads are views
 
 
 SELF_CHECK_ROWS = 64
@@ -464,7 +660,7 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(generation, f, indent=2)
         try:
-            _write_tokenizer(path, tmp)
+            _write_tokenizer(path, tmp, by_architecture=config["model_type"] != "gpt_oss")
             has_tokenizer = True
         except ValueError:
             if not tokenizer_override:
@@ -477,14 +673,16 @@ def prepare_gguf_model_dir(path: str, tokenizer_override: bool = False) -> str:
     return build_cached_dir(target, build)
 
 
-def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
+def _write_tokenizer(gguf_path: str, out_dir: str, by_architecture: bool = True) -> None:
     """Vocabulary, merges, special tokens and chat template, through transformers' GGUF tokenizer
-    conversion (the same one `from_pretrained(gguf_file=...)` uses)."""
-    from transformers import AutoTokenizer
+    conversion (the same one `from_pretrained(gguf_file=...)` uses). Without `by_architecture` the
+    generic fast tokenizer class reads the file directly, skipping AutoTokenizer's read of the model
+    config from the GGUF (transformers fails on a gpt-oss file's rope.scaling keys there)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    loader = AutoTokenizer if by_architecture else PreTrainedTokenizerFast
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                  gguf_file=os.path.basename(gguf_path))
+        tokenizer = loader.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot read the tokenizer of GGUF file {gguf_path} ({reason}); pass --tokenizer "
@@ -537,6 +735,11 @@ def export_hf_checkpoint(gguf_path: str, out_dir: str) -> str:
         shutil.copytree(prepared, tmp, ignore=shutil.ignore_patterns(MARKER), dirs_exist_ok=True)
         weights = {name: tensor for name, tensor in prepared_weights(prepared)
                    if not (tied and name == "lm_head.weight")}
+        for name in [n for n in weights if n.endswith("_blocks")]:  # MXFP4 experts, decoded to float
+            from kvtide.layers.quantization.mxfp4 import dequantize_expert_weight
+
+            base = name.removesuffix("_blocks")
+            weights[base] = dequantize_expert_weight(weights.pop(name), weights.pop(base + "_scales"), torch.float32)
         save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
 
     return build_cached_dir(out_dir, build)

@@ -9,6 +9,8 @@ come in different types (llama.cpp's Q4_K_M puts Q6_K beside Q4_K) takes their k
 one, else int8, and the finest group of its shards, with each shard promoted to it (qweight.promote),
 so the fused projection stays one kernel call. On an accelerator iq4 and int4 in groups of 16 are
 held as int8 (the Triton kernels read int8, int4 in whole 32-blocks and fp8 codes).
+MXFP4 expert weights (gpt-oss) are held as their codes and scales by the experts module itself
+(mxfp4.py's layout), every other MXFP4 tensor dequantized.
 
 The iterator (models/gguf_checkpoint.py) yields for a kept-quantized tensor `<module>.gguf_codes`,
 `.gguf_scales` and `.gguf_mins` in the layer's chosen layout; the parameters here receive them.
@@ -40,6 +42,8 @@ FORMATS = {"Q4_0": ("int4", 32), "Q4_1": ("int4", 32), "Q4_K": ("int4", 32),
 HAS_MINS = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PARAMS = ("gguf_codes", "gguf_scales", "gguf_mins")
+MXFP4_EXPERT_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+"""Fused expert weights a GGUF may store in MXFP4 (gpt-oss), under their transformers names."""
 
 
 def layer_format(types: list[str]) -> tuple[str, int, bool] | None:
@@ -101,6 +105,16 @@ class GGUFConfig(QuantizationConfig):
 
         return cls(gguf_tensor_types(qc["model_dir"]))
 
+
+    def bind_model(self, model: nn.Module) -> None:
+        """Experts whose weights the file stores all in MXFP4 (gpt-oss's) are held as stored, 4-bit,
+        by modules that can hold them (`hold_mxfp4`); any other type of theirs is loaded as float."""
+        super().bind_model(model)
+        experts = [t for name, t in self.tensor_types.items() if name.endswith(MXFP4_EXPERT_WEIGHTS)]
+        if experts and all(t == "MXFP4" for t in experts):
+            for module in model.modules():
+                if hasattr(module, "hold_mxfp4"):
+                    module.hold_mxfp4()
 
     def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """GGUF's blocks run along input columns and are decoded into groups of 16 or 32 columns per
