@@ -11,6 +11,9 @@ import pytest
 
 from kvtide.server.openai.batches.settings import BatchSettings
 
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
+
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
 KEY = {"authorization": "Bearer k"}
 
