@@ -13,6 +13,11 @@ from serve_helpers import pid_alive, start_server, wait_ready
 from torch_threads import one_torch_thread
 
 
+def pytest_configure(config):
+    # The test files' group mark, known also to runs without pytest-xdist (-p no:xdist).
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's worker group")
+
+
 @pytest.fixture(autouse=True, scope="package")
 def _one_torch_thread():
     yield from one_torch_thread()
