@@ -11,6 +11,7 @@ sees half a record. Ids are checked against their pattern before any path is bui
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -39,6 +40,25 @@ class StoreError(Exception):
 def default_directory() -> str:
     """The store under kvtide's private cache directory ($KVTIDE_CACHE/batches)."""
     return cache_dir("batches")
+
+
+class StoreLock:
+    """This process's claim on a store directory (an exclusive flock on <directory>/lock, held
+    until the process exits): a second server on the same directory would fail the first one's
+    running batches when it loads them, and index files it never sees."""
+
+    def __init__(self, directory: str) -> None:
+        path = os.path.join(directory, "lock")
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise StoreError(f"the batch directory {directory} is in use by another kvtide process (pid {owner}); "
+                             f"give each server its own --batch-dir", 503, code="batch_dir_in_use") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 
 
 def _private_dir(path: str) -> str:

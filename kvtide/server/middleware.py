@@ -27,8 +27,8 @@ handshake: a page that may not drive the server learns nothing more. Any other r
 oversized headers. Accepted, it counts as in flight until it closes.
 
 File uploads (POST /v1/files, UPLOAD_PATHS) are the one exception to JSON: multipart/form-data,
-up to --max-batch-file-bytes (plus the form's own bytes; over it a 400) instead of --max-request-body; the Origin
-check above is what keeps pages from posting them cross-origin.
+up to --max-batch-file-bytes (plus the form's own bytes; past it a 400) rather than
+--max-request-body; the Origin check above is what keeps pages from posting them cross-origin.
 
 The body is read here, up to --max-request-body bytes (Content-Length is checked first, then the
 bytes actually received), and replayed to the app; after it, `receive` is the server's again, so

@@ -1,6 +1,7 @@
 """Fixtures for the batch tests: the tiny Llama of tests/conftest.py and `batch_server`, a
 real `kvtide serve` with the batch routes. That server starts with the session when a collected test
-asks for it, so it loads while the run-batch test runs its own engines; it is always stopped."""
+asks for it, so it loads while the run-batch test runs its own engines; it is always stopped. The HF
+reference runs on one intra-op thread (see torch_threads.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ import os
 import pytest
 from batch_lines import MAX_BATCH_FILE_BYTES
 from serve_helpers import pid_alive, start_server, wait_ready
+from torch_threads import one_torch_thread
+
+
+def pytest_configure(config):
+    # The test files' group mark, known also to runs without pytest-xdist (-p no:xdist).
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's worker group")
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _one_torch_thread():
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="session", autouse=True)

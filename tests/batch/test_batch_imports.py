@@ -6,6 +6,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
+
 BATCH = pathlib.Path(__file__).resolve().parents[2] / "kvtide" / "batch"
 ALLOWED = ("kvtide.batch", "kvtide.engine", "kvtide.server", "kvtide.sampling_params", "kvtide.outputs",
            "kvtide.engine_args", "kvtide.config", "kvtide.sizes", "kvtide.models.cache_dir")

@@ -15,7 +15,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from batch_lines import ENGINE_FLAGS, check_record, make_batch
+
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
 
 KILL_AFTER_LINES = 40
 

@@ -8,8 +8,13 @@ import asyncio
 import collections
 import json
 
+import pytest
+
 from kvtide.batch.file_format import count_results, dump_record, parse_line
 from kvtide.batch.runner import BATCH_PRIORITY, BatchRunner
+
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
 
 
 class EchoApp:

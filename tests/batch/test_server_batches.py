@@ -17,6 +17,9 @@ from batch_lines import MAX_BATCH_FILE_BYTES as MAX_FILE_BYTES
 from batch_lines import Expected, chat_body, check_record, completion_body
 from serve_helpers import API_KEY, MODEL_NAME, wait_idle
 
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
+
 QUESTIONS = ["what holds the keys?", "name a river", "count to three", "why blocks", "seven lattice", "harbor"]
 
 

@@ -9,6 +9,9 @@ import pytest
 
 from kvtide.batch.store import BatchStore, FileStore, StoreError
 
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
+
 LINE = b'{"custom_id": "a"}\n'
 
 

@@ -11,6 +11,9 @@ import pytest
 
 from kvtide.server.openai.batches.settings import BatchSettings
 
+# One worker runs this folder: its conftest starts the batch server once, at the folder's first test.
+pytestmark = pytest.mark.xdist_group("batch")
+
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
 KEY = {"authorization": "Bearer k"}
 
@@ -82,3 +85,23 @@ def test_serve_flags():
     for bad in (["--max-batch-concurrency", "0"], ["--max-batch-file-lines", "0"], ["--max-batch-file-bytes", "lots"]):
         with pytest.raises(ValueError, match=bad[0]):
             settings(*bad)
+
+
+def test_one_server_per_batch_dir(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from kvtide.server.api_server import build_app
+    from kvtide.server.metrics import ServerMetrics
+    from kvtide.server.state import ServerSettings, ServerState
+
+    def client():
+        settings = ServerSettings(served_model_names=["m"], api_key="k",
+                                  batch=BatchSettings(directory=str(tmp_path / "shared")))
+        return TestClient(build_app(ServerState(engine=_StubEngine(), settings=settings, metrics=ServerMetrics("m"))),
+                          base_url="http://127.0.0.1:8000")
+
+    with client() as first, client() as second:
+        assert first.get("/v1/files", headers=KEY).status_code == 200
+        r = second.get("/v1/files", headers=KEY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "batch_dir_in_use"
+        assert str(os.getpid()) in r.json()["error"]["message"]

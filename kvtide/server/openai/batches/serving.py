@@ -39,6 +39,7 @@ from kvtide.batch.store import (
     BatchStore,
     FileStore,
     StoreError,
+    StoreLock,
     default_directory,
 )
 from kvtide.server.errors import OpenAIError
@@ -61,6 +62,10 @@ class BatchService:
     def __init__(self, app: Any, settings: BatchSettings) -> None:
         directory = settings.directory or default_directory()
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        try:
+            self._lock = StoreLock(directory)
+        except StoreError as e:
+            raise store_error(e) from None
         self.app = app
         self.settings = settings
         self.files = FileStore(directory, settings.max_file_bytes, settings.max_file_lines)
