@@ -16,14 +16,31 @@ COLORS = ["red", "green", "blue", "ultraviolet"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
+def server_and_engine(llama_dir):
+    """A tiny-model server on a free port (always stopped, its engine core gone) and the same model
+    in-process, loaded while the server starts."""
     handle = start_server(llama_dir, "--max-num-seqs", "8", "--dtype", "float32", "--block-size", str(BLOCK_SIZE))
+    llm = None
     try:
-        yield wait_ready(handle)
+        llm = make_llm(llama_dir)
+        wait_ready(handle)
+        yield handle, kl.Engine(llm)
     finally:
+        if llm is not None:
+            llm.shutdown()
         code = handle.stop()
         assert code == 0, handle.log()[-3000:]
         assert handle.engine_pid is not None and not pid_alive(handle.engine_pid)
+
+
+@pytest.fixture(scope="module")
+def server(server_and_engine):
+    return server_and_engine[0]
+
+
+@pytest.fixture(scope="module")
+def engine(server_and_engine):
+    return server_and_engine[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +48,6 @@ def endpoint(server):
     backend = kl.Endpoint(server.base_url, api_key=API_KEY)
     yield backend
     backend.close()
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    llm = make_llm(llama_dir)
-    yield kl.Engine(llm)
-    llm.shutdown()
 
 
 @kl.function
