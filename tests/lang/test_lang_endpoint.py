@@ -61,6 +61,9 @@ def interview(s, topic):
     for i, f in enumerate(forks):
         f += kl.user(f"Idea {i}?")
         f += kl.assistant(kl.gen(f"idea{i}", max_tokens=6, ignore_eos=True))
+    group = s.fork(2)  # one request of two seeded samples (n=2)
+    group += kl.assistant(kl.gen("twist", max_tokens=6, ignore_eos=True, temperature=1.0, seed=3))
+    group.join()
     s += kl.user("Code?")
     s += kl.assistant(kl.gen("code", max_tokens=12, regex=r"[a-f]{2}[0-9]{2}"))
 
@@ -73,6 +76,7 @@ def test_endpoint_runs_a_program_as_the_engine_does(endpoint, engine):
     assert remote.messages() == local.messages()
     assert remote.variables() == local.variables()
     assert re.fullmatch(r"[a-f]{2}[0-9]{2}", remote["code"])
+    assert len(remote["twist"]) == 2 and remote["twist"][0] != remote["twist"][1]
     remote_select, local_select = remote.get_meta_info("color"), local.get_meta_info("color")
     assert remote_select["normalized_prompt_logprobs"] == pytest.approx(local_select["normalized_prompt_logprobs"],
                                                                         abs=1e-4)
