@@ -8,7 +8,7 @@ import re
 
 import pytest
 from lang_helpers import BLOCK_SIZE, make_llm
-from serve_helpers import API_KEY, pid_alive, start_server, wait_ready
+from serve_helpers import API_KEY, pid_alive, start_server, wait_idle, wait_ready
 
 import kvtide.lang as kl
 
@@ -104,7 +104,7 @@ def test_score_extension_equals_scoring_by_completions_prompt_logprobs(endpoint,
     assert response.status_code == 400 and response.json()["error"]["param"] == "choices"
 
 
-def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint):
+def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint, server):
     @kl.function
     def coded(s, regex):
         s += kl.user("Code?")
@@ -118,3 +118,6 @@ def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint
     for regex, state in zip(regexes, states, strict=True):
         if state is not states[1]:
             assert state.error is None and re.fullmatch(regex, state["code"])
+    # Every call's KV blocks went back (the refused ones never took any).
+    assert wait_idle(server)["num_used_blocks"] == 0
+    assert server.client().post("/internal/check_integrity").json() == {"ok": True}
