@@ -462,6 +462,10 @@ class KVCacheManager:
 
 
 def _needs_whole_prompt(request: Request) -> bool:
-    """Prompt logprobs of every position: the whole prompt is computed, none of it cached."""
+    """Prompt logprobs of every position: the whole prompt is computed, none of it cached. So is a
+    preempted request's that wants any: it resends only positions past those it sent, which holds
+    when it starts again from the first token, but not from a cache hit beyond them."""
     params = request.sampling_params
-    return params.prompt_logprobs is not None and params.prompt_logprobs_start is None
+    if params.prompt_logprobs is None:
+        return False
+    return params.prompt_logprobs_start is None or request.num_preemptions > 0

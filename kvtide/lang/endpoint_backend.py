@@ -45,6 +45,12 @@ class Endpoint:
     def close(self) -> None:
         self._client.close()
 
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.model is not None:
             body = {"model": self.model, **body}

@@ -23,6 +23,9 @@ from kvtide.lang.ops import Expr, Gen, Role, Select
 
 
 class ProgramState:
+    """What `run` hands a program and returns: append to it with `+=`, read it with `state[name]`,
+    `text()`, `messages()` and `get_meta_info(name)`."""
+
     def __init__(self, backend: Backend, renderer: ChatRenderer | None = None) -> None:
         self.backend = backend
         self._renderer = renderer or ChatRenderer(backend.render_chat)

@@ -1,6 +1,6 @@
 """The same programs on a kvtide server (`kl.Endpoint`, over its OpenAI API) as in-process
 (`kl.Engine`): the same text, variables and select scores, the server's prefix cache serving the
-state's prefix, and the server's refusals raising in the program."""
+state's prefix, constrained output, and the server's refusals raising in the program."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 from lang_helpers import BLOCK_SIZE, make_llm
-from serve_helpers import API_KEY, pid_alive, start_server, wait_ready
+from serve_helpers import API_KEY, pid_alive, start_server, wait_idle, wait_ready
 
 import kvtide.lang as kl
 
@@ -16,14 +16,31 @@ COLORS = ["red", "green", "blue", "ultraviolet"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
+def server_and_engine(llama_dir):
+    """A tiny-model server on a free port (always stopped, its engine core gone) and the same model
+    in-process, loaded while the server starts."""
     handle = start_server(llama_dir, "--max-num-seqs", "8", "--dtype", "float32", "--block-size", str(BLOCK_SIZE))
+    llm = None
     try:
-        yield wait_ready(handle)
+        llm = make_llm(llama_dir)
+        wait_ready(handle)
+        yield handle, kl.Engine(llm)
     finally:
+        if llm is not None:
+            llm.shutdown()
         code = handle.stop()
         assert code == 0, handle.log()[-3000:]
         assert handle.engine_pid is not None and not pid_alive(handle.engine_pid)
+
+
+@pytest.fixture(scope="module")
+def server(server_and_engine):
+    return server_and_engine[0]
+
+
+@pytest.fixture(scope="module")
+def engine(server_and_engine):
+    return server_and_engine[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +48,6 @@ def endpoint(server):
     backend = kl.Endpoint(server.base_url, api_key=API_KEY)
     yield backend
     backend.close()
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    llm = make_llm(llama_dir)
-    yield kl.Engine(llm)
-    llm.shutdown()
 
 
 @kl.function
@@ -51,8 +61,11 @@ def interview(s, topic):
     for i, f in enumerate(forks):
         f += kl.user(f"Idea {i}?")
         f += kl.assistant(kl.gen(f"idea{i}", max_tokens=6, ignore_eos=True))
-    s += kl.user("Code?")
-    s += kl.assistant(kl.gen("code", max_tokens=12, regex=r"[a-f]{2}[0-9]{2}"))
+    group = s.fork(2)  # one request of two seeded samples (n=2)
+    group += kl.assistant(kl.gen("twist", max_tokens=6, ignore_eos=True, temperature=1.0, seed=3))
+    group.join()
+    s += kl.user("Once more?")
+    s += kl.assistant(kl.gen("coda", max_tokens=6, ignore_eos=True))
 
 
 def test_endpoint_runs_a_program_as_the_engine_does(endpoint, engine):
@@ -62,7 +75,7 @@ def test_endpoint_runs_a_program_as_the_engine_does(endpoint, engine):
     assert remote.text() == local.text()
     assert remote.messages() == local.messages()
     assert remote.variables() == local.variables()
-    assert re.fullmatch(r"[a-f]{2}[0-9]{2}", remote["code"])
+    assert len(remote["twist"]) == 2 and remote["twist"][0] != remote["twist"][1]
     remote_select, local_select = remote.get_meta_info("color"), local.get_meta_info("color")
     assert remote_select["normalized_prompt_logprobs"] == pytest.approx(local_select["normalized_prompt_logprobs"],
                                                                         abs=1e-4)
@@ -72,7 +85,7 @@ def test_endpoint_runs_a_program_as_the_engine_does(endpoint, engine):
     assert remote_select["cached_tokens"] == local_select["cached_tokens"]
     assert min(remote_select["cached_tokens"]) >= 4 * BLOCK_SIZE
     # The server's prefix cache served what the program's earlier calls computed, as the engine's did.
-    for name in ("idea0", "idea1", "code"):
+    for name in ("idea0", "idea1", "coda"):
         remote_meta, local_meta = remote.get_meta_info(name), local.get_meta_info(name)
         assert remote_meta["prompt_tokens"] == local_meta["prompt_tokens"]
         assert remote_meta["cached_tokens"] == local_meta["cached_tokens"] >= 4 * BLOCK_SIZE
@@ -91,7 +104,7 @@ def test_score_extension_equals_scoring_by_completions_prompt_logprobs(endpoint,
     assert response.status_code == 400 and response.json()["error"]["param"] == "choices"
 
 
-def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint):
+def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint, server):
     @kl.function
     def coded(s, regex):
         s += kl.user("Code?")
@@ -105,3 +118,6 @@ def test_a_refused_call_raises_in_the_program_and_run_batch_keeps_going(endpoint
     for regex, state in zip(regexes, states, strict=True):
         if state is not states[1]:
             assert state.error is None and re.fullmatch(regex, state["code"])
+    # Every call's KV blocks went back (the refused ones never took any).
+    assert wait_idle(server)["num_used_blocks"] == 0
+    assert server.client().post("/internal/check_integrity").json() == {"ok": True}

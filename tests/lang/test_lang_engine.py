@@ -246,3 +246,22 @@ def test_run_batch_keeps_order_and_errors_per_program(llm, backend):
         assert re.fullmatch(regex, state["code"])
         assert state.text() == constrained.run(regex, backend=backend).text()  # as if run alone
     assert_engine_idle(llm)
+
+
+def test_a_gen_cut_by_a_stop_string_is_continued_from_its_text(llm, backend):
+    @kl.function
+    def stopped(s):
+        s += kl.user("Two lines.")
+        s += kl.assistant(kl.gen("line", max_tokens=16, regex="abc\ndef", stop="\n"))
+        s += kl.user("More?")
+        s += kl.assistant(kl.gen("more", max_tokens=2, ignore_eos=True))
+
+    state = stopped.run(backend=backend)
+    meta = state.get_meta_info("line")
+    assert state["line"] == "abc" and meta["stop_reason"] == "\n"
+    assert meta["token_ids"][:4] == llm.get_tokenizer().encode("abc\n", add_special_tokens=False)
+    # The next prompt is the text ("abc", then the template's closing), not the tokens generated.
+    before_more = "<s><|user|>Two lines.\n<|assistant|>abc\n<|user|>More?\n<|assistant|>"
+    assert state.text() == before_more + state["more"] + "\n"
+    assert state.get_meta_info("more")["prompt_tokens"] == len(
+        llm.get_tokenizer().encode(before_more, add_special_tokens=False))

@@ -55,3 +55,28 @@ def test_without_a_start_the_prompt_is_computed_in_full(llm):
 def test_bad_starts_are_refused(kwargs):
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         SamplingParams(**kwargs)
+
+
+def test_preempted_requests_keep_their_prompt_logprobs(llama_dir, llm):
+    """Chunked prefills in a KV cache of 10 blocks: requests are preempted and resumed, and every
+    position from the start on still gets the logprob a roomy engine computes."""
+    prompts = [PREFIX + [60 + i + j % 7 for j in range(70)] for i in range(6)]
+    reference = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True))
+    small = LLM(llama_dir, device="cpu", dtype="float32", max_model_len=160, block_size=BLOCK_SIZE,
+                kv_cache_memory="320KiB", max_num_batched_tokens=32, max_num_seqs=6)
+    try:
+        outputs = small.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0,
+                                                prompt_logprobs_start=len(PREFIX), ignore_eos=True))
+        assert small.engine.core.get_stats().num_preemptions > 0
+        for out, ref in zip(outputs, reference, strict=True):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert len(out.prompt_logprobs) == len(ref.prompt_logprobs)
+            for position in range(len(PREFIX), len(prompts[0])):
+                token_id = out.prompt_token_ids[position]
+                assert out.prompt_logprobs[position][token_id].logprob == pytest.approx(
+                    ref.prompt_logprobs[position][token_id].logprob, abs=1e-4)
+        small.engine.core.check_integrity()
+    finally:
+        small.shutdown()
