@@ -40,6 +40,7 @@ class LLM:
         self.tokenizer = load_tokenizer(info.tokenizer_dir, self.engine_args.trust_remote_code)
         self.model_info = info
         self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
+        self.engine.input_processor.prompt_fills_context = info.pooler is not None  # a pooling model
         self._finalizer = weakref.finalize(self, core.shutdown)
 
     def shutdown(self) -> None:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from pooling_reference import PROMPTS, cosine_distance, hf_embedding
+from pooling_reference import PROMPTS, cosine_distance, hf_embedding, hf_model
 
 from kvtide import LLM
 
@@ -35,6 +35,16 @@ def test_bert_cls_embeddings_match_hf(bert_dir):
         outputs = llm.embed(PROMPTS)
         for prompt, output in zip(PROMPTS, outputs, strict=True):
             assert cosine_distance(output.outputs.embedding, hf_embedding(bert_dir, prompt, "CLS")) < 1e-5
+        # A prompt may fill max_model_len (256): nothing is generated after it; one more token is refused.
+        long_text = "the quick brown fox jumps over the lazy dog " * 8
+        full = llm.embed(long_text, truncate_prompt_tokens=-1)[0]
+        assert len(full.prompt_token_ids) == 256
+        model, tokenizer = hf_model(bert_dir)
+        with torch.inference_mode():
+            hidden = model(torch.tensor([tokenizer(long_text, truncation=True, max_length=256).input_ids]))
+        assert cosine_distance(full.outputs.embedding, hidden.last_hidden_state[0, 0]) < 1e-5
+        with pytest.raises(ValueError, match="more than max_model_len=256"):
+            llm.embed({"prompt_token_ids": [5] * 257})
     finally:
         llm.shutdown()
 
