@@ -31,7 +31,6 @@ POOLING_BACKENDS = ("openai-embeddings", "rerank")
 async def run_pooling_benchmark(args, texts: list[str] | None = None) -> dict:
     """Run the pooling load the flags describe; returns the result dict."""
     from kvtide.bench.datasets import build_dataset, load_tokenizer_for_bench
-    from kvtide.bench.serve import arrival_offsets
 
     if texts is None:
         tokenizer = load_tokenizer_for_bench(args.tokenizer, args.model)
@@ -47,7 +46,7 @@ async def run_pooling_benchmark(args, texts: list[str] | None = None) -> dict:
         bodies = [{"input": texts[i:i + batch]} for i in range(0, len(texts), batch)]
         path = "/v1/embeddings"
     base_url = args.base_url.rstrip("/")
-    offsets = arrival_offsets(len(bodies), args.request_rate, args.burstiness, args.seed)
+    offsets = _arrival_offsets(len(bodies), args.request_rate, args.burstiness, args.seed)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     latencies: list[float] = []
     errors: list[str] = []
@@ -94,6 +93,17 @@ async def run_pooling_benchmark(args, texts: list[str] | None = None) -> dict:
             "total_input_tokens": tokens, "mean_latency_ms": float(np.mean(lat)),
             "median_latency_ms": float(np.median(lat)), "p99_latency_ms": float(np.percentile(lat, 99)),
             "machine": machine_record()}
+
+
+def _arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Start times as serve's: gamma intervals of mean 1/rate (shape `burstiness`); inf: all at once."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    if math.isinf(request_rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
 
 
 def format_pooling_report(result: dict) -> str:
