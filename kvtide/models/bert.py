@@ -166,7 +166,8 @@ class BertModel(nn.Module):
         for name, tensor in weights:
             for prefix in ("bert.", "roberta.", "model."):
                 name = name.removeprefix(prefix)
-            if name.startswith(("pooler.", "lm_head.", "cls.")) or name.endswith("position_ids"):
+            if name.startswith(("pooler.", "lm_head.", "cls.")) or name.endswith("position_ids") or \
+                    (name.startswith("classifier.") and not hasattr(self, "classifier")):
                 continue  # the pooler and MLM heads are not part of the embedding
             param = params.get(name)
             if param is None:
@@ -184,4 +185,33 @@ class XLMRobertaModel(BertModel):
 
 
 class RobertaModel(XLMRobertaModel):
+    pass
+
+
+class _ClassificationHead(nn.Module):
+    """RoBERTa's head over the first (<s>) token: dense, tanh, out_proj."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+
+class XLMRobertaForSequenceClassification(XLMRobertaModel):
+    """Cross-encoder rerankers of the bge-reranker kind: CLS pooling (pooling/config.py), then the
+    classification head; a pair is one prompt with the tokenizer's pair template."""
+
+    def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
+        super().__init__(config, max_model_len, dtype)
+        if int(getattr(config, "num_labels", 0) or 0) < 1:
+            raise ValueError("a sequence classification checkpoint needs num_labels >= 1 in config.json")
+        self.classifier = _ClassificationHead(config)
+
+    def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) first-token states -> (R, num_labels) float32 logits."""
+        head = self.classifier
+        return head.out_proj(torch.tanh(head.dense(pooled))).float()
+
+
+class RobertaForSequenceClassification(XLMRobertaForSequenceClassification):
     pass

@@ -30,7 +30,9 @@ DECODER_EMBEDDERS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralF
 DECODER_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-ENCODERS = ("BertModel", "XLMRobertaModel", "RobertaModel")
+ENCODER_CLASSIFIERS = ("XLMRobertaForSequenceClassification", "RobertaForSequenceClassification")
+"""Cross-encoders of the bge-reranker kind (CLS pooling, RoBERTa's classification head)."""
+ENCODERS = ("BertModel", "XLMRobertaModel", "RobertaModel", *ENCODER_CLASSIFIERS)
 POOLING_ARCHITECTURES = frozenset(DECODER_EMBEDDERS) | frozenset(DECODER_CLASSIFIERS) | frozenset(ENCODERS)
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -104,7 +106,7 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
     if convert in ("embed", "classify") or not native:
         arch = _converted(arch, "classify" if convert == "classify" else "embed")
         hf_config.architectures = [arch]
-    task = "classify" if arch in DECODER_CLASSIFIERS else "embed"
+    task = "classify" if arch in DECODER_CLASSIFIERS or arch in ENCODER_CLASSIFIERS else "embed"
     causal = arch not in ENCODERS
     settings: dict[str, Any] = {"pooling_type": "LAST" if causal else "CLS", "normalize": task == "embed"}
     settings.update(_sentence_transformers_settings(model_dir))
@@ -128,7 +130,7 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
 
 def _converted(arch: str, task: str) -> str:
     table = DECODER_CLASSIFIERS if task == "classify" else DECODER_EMBEDDERS
-    if arch in table or (task == "embed" and arch in ENCODERS):
+    if arch in table or arch in (ENCODER_CLASSIFIERS if task == "classify" else ENCODERS):
         return arch
     for pooling_arch, causal_lm in table.items():
         if arch == causal_lm:
@@ -230,7 +232,7 @@ def apply_pooler(config, pooler: PoolerConfig):
                          "--speculative-config")
     model = replace(config.model_config, pooler_config=pooler)
     hf_config = model.hf_config
-    if (getattr(hf_config, "architectures", None) or [""])[0] in ("XLMRobertaModel", "RobertaModel"):
+    if "Roberta" in (getattr(hf_config, "architectures", None) or [""])[0]:
         # RoBERTa's positions start past the padding id: max_position_embeddings - pad - 1 usable.
         usable = hf_config.max_position_embeddings - int(hf_config.pad_token_id) - 1
         if model.max_model_len > usable:

@@ -12,6 +12,7 @@ import torch
 from pooling_reference import PROMPTS, cosine_distance, hf_embedding, hf_model
 
 from kvtide import LLM
+from kvtide.pooling.params import PoolingParams
 
 ENCODER = dict(num_key_value_heads=None, intermediate_size=256, max_position_embeddings=512, type_vocab_size=2)
 
@@ -93,5 +94,25 @@ def test_sentence_transformers_layout_matches_its_encode(bert_dir, checkpoint_fa
         outputs = llm.embed(PROMPTS)
         for output, expected in zip(outputs, reference, strict=True):
             assert cosine_distance(output.outputs.embedding, expected) < 1e-5
+    finally:
+        llm.shutdown()
+
+
+def test_xlm_roberta_cross_encoder_scores_match_hf(checkpoint_factory):
+    """The bge-reranker layout: XLMRobertaForSequenceClassification over a pair, one label, sigmoid."""
+    from pooling_reference import hf_logits
+
+    model_dir = checkpoint_factory("XLMRobertaForSequenceClassification", seed=31, num_labels=1,
+                                   **{**ENCODER, "max_position_embeddings": 260})
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory="4MiB", max_num_seqs=8)
+    try:
+        query, documents = "which animal is quick", ["the quick brown fox", "a lazy dog sleeps", "x"]
+        scores = llm.score(query, documents)
+        reference = [float(torch.sigmoid(hf_logits(model_dir, query, d)[0])) for d in documents]
+        for score, expected in zip(scores, reference, strict=True):
+            assert abs(score.outputs.score - expected) < 1e-5
+        raw = llm.classify(documents, pooling_params=PoolingParams(task="classify", use_activation=False))
+        for output, document in zip(raw, documents, strict=True):
+            assert abs(output.outputs.probs[0] - float(hf_logits(model_dir, document)[0])) < 1e-4
     finally:
         llm.shutdown()
