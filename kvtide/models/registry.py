@@ -34,6 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
         "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")},
     **{arch: ("kvtide.models.bert", arch) for arch in ("BertModel", "XLMRobertaModel", "RobertaModel",
                                                         "XLMRobertaForSequenceClassification",
+                                                        "BertForSequenceClassification",
                                                         "RobertaForSequenceClassification")},
 }
 TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration"})

@@ -30,8 +30,9 @@ DECODER_EMBEDDERS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralF
 DECODER_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-ENCODER_CLASSIFIERS = ("XLMRobertaForSequenceClassification", "RobertaForSequenceClassification")
-"""Cross-encoders of the bge-reranker kind (CLS pooling, RoBERTa's classification head)."""
+ENCODER_CLASSIFIERS = ("XLMRobertaForSequenceClassification", "RobertaForSequenceClassification",
+                       "BertForSequenceClassification")
+"""Cross-encoders of the bge-reranker and ms-marco MiniLM kinds (CLS pooling, the encoder's head)."""
 ENCODERS = ("BertModel", "XLMRobertaModel", "RobertaModel", *ENCODER_CLASSIFIERS)
 POOLING_ARCHITECTURES = frozenset(DECODER_EMBEDDERS) | frozenset(DECODER_CLASSIFIERS) | frozenset(ENCODERS)
 
@@ -107,6 +108,8 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
         arch = _converted(arch, "classify" if convert == "classify" else "embed")
         hf_config.architectures = [arch]
     task = "classify" if arch in DECODER_CLASSIFIERS or arch in ENCODER_CLASSIFIERS else "embed"
+    if arch == "BertForSequenceClassification":
+        _use_segment_separator(hf_config, model_dir)
     causal = arch not in ENCODERS
     settings: dict[str, Any] = {"pooling_type": "LAST" if causal else "CLS", "normalize": task == "embed"}
     settings.update(_sentence_transformers_settings(model_dir))
@@ -139,6 +142,17 @@ def _converted(arch: str, task: str) -> str:
     raise ValueError(f"cannot run architecture {arch or '(none in config.json)'} as a pooling model "
                      f"(--convert {task}); supported: {', '.join(kinds)}"
                      + ("" if task == "classify" else f", and the encoders {', '.join(ENCODERS)}"))
+
+
+def _use_segment_separator(hf_config, model_dir: str) -> None:
+    """A BERT cross-encoder gives a pair's second text token type 1: it starts after the first
+    separator token, which the tokenizer names (models/bert.py token_types)."""
+    from transformers import AutoTokenizer
+
+    sep = AutoTokenizer.from_pretrained(model_dir).sep_token_id
+    if sep is None and getattr(hf_config, "type_vocab_size", 1) > 1:
+        raise ValueError("a BERT cross-encoder needs its tokenizer's sep_token to tell a pair's two texts apart")
+    hf_config.segment_separator_id = sep
 
 
 def _use_token_classifier(hf_config, tokens: list[str], model_dir: str) -> None:

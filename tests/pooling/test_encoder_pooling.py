@@ -116,3 +116,36 @@ def test_xlm_roberta_cross_encoder_scores_match_hf(checkpoint_factory):
             assert abs(output.outputs.probs[0] - float(hf_logits(model_dir, document)[0])) < 1e-4
     finally:
         llm.shutdown()
+
+
+def test_bert_cross_encoder_gives_the_second_text_token_type_1(checkpoint_factory, tmp_path):
+    """The ms-marco MiniLM layout: BertForSequenceClassification over "[CLS] query [SEP] doc [SEP]",
+    the document's tokens (and the last [SEP]) of token type 1, as the tokenizer marks them."""
+    from pooling_reference import hf_logits
+    from tokenizers import processors
+
+    from kvtide.models.demo import BOS_ID, EOS_ID, build_byte_tokenizer
+
+    model_dir = str(tmp_path / "cross-encoder")
+    shutil.copytree(checkpoint_factory("BertForSequenceClassification", seed=37, num_labels=1, **ENCODER), model_dir)
+    tokenizer = build_byte_tokenizer(512)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)])
+    tokenizer.sep_token, tokenizer.cls_token = "</s>", "<s>"
+    tokenizer.save_pretrained(model_dir)
+    query, documents = "which animal is quick", ["the quick brown fox", "a lazy dog sleeps", "x"]
+    from pooling_reference import hf_model
+
+    assert 1 in hf_model(model_dir)[1](query, documents[0], return_token_type_ids=True).token_type_ids
+    llm = make_llm(model_dir)
+    try:
+        scores = llm.score(query, documents)
+        for score, document in zip(scores, documents, strict=True):
+            model, tok = hf_model(model_dir, "classify")
+            with torch.inference_mode():
+                logits = model(**tok(query, document, return_token_type_ids=True, return_tensors="pt")).logits[0]
+            assert abs(score.outputs.score - float(torch.sigmoid(logits[0]))) < 1e-5
+        single = llm.classify(["x"], pooling_params=PoolingParams(task="classify", use_activation=False))[0]
+        assert abs(single.outputs.probs[0] - float(hf_logits(model_dir, "x")[0])) < 1e-4
+    finally:
+        llm.shutdown()
