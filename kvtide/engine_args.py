@@ -194,7 +194,8 @@ class EngineArgs:
     classify (as *ForSequenceClassification: a `score` head); auto: from the architecture."""
     pooler_config: str | dict | None = None
     """Pooling models, as JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true,
-    "dimensions": N (default Matryoshka length)}; default: the architecture's, then
+    "dimensions": N (default Matryoshka length), "classifier_from_token": ["no", "yes"] (a causal LM as
+    a yes/no reranker, Qwen3-Reranker's convention)}; default: the architecture's, then
     sentence-transformers' modules.json and 1_Pooling/config.json where present."""
 
     # ---- CLI ---------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ from kvtide.engine.llm_engine import LLMEngine
 from kvtide.engine_args import EngineArgs
 from kvtide.lora.request import LoRARequest
 from kvtide.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvtide.pooling.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from kvtide.pooling.params import PoolingParams
 from kvtide.sampling_params import BeamSearchParams, SamplingParams
 from kvtide.tokenizer import load_tokenizer
 
@@ -42,6 +49,7 @@ class LLM:
         self.model_info = info
         self.engine = LLMEngine(core, self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids)
         self.engine.input_processor.configure(self.engine_args, info.model_dir)
+        self.engine.input_processor.prompt_fills_context = info.pooler is not None  # a pooling model
         self._finalizer = weakref.finalize(self, core.shutdown)
 
     def shutdown(self) -> None:
@@ -151,27 +159,32 @@ class LLM:
             return [engine_calls[method](*args, **(kwargs or {}))]
         return self.engine.core.executor.collective_rpc(method, args, kwargs)
     # ---- pooling models (kvtide/pooling/offline.py) -------------------------------------------
-    def encode(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
-        """PoolingRequestOutputs: each prompt's pooled output as the model's pooler makes it."""
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output as the model's pooler makes it."""
         from kvtide.pooling import offline
 
         return offline.encode(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
-    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
-        """EmbeddingRequestOutputs (`.outputs.embedding`) of an embedding model."""
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings (`.outputs.embedding`) of an embedding model."""
         from kvtide.pooling import offline
 
         return offline.embed(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
-    def classify(self, prompts, pooling_params=None, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None):
-        """ClassificationRequestOutputs (`.outputs.probs`) of a sequence classification model."""
+    def classify(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities (`.outputs.probs`) of a sequence classification model."""
         from kvtide.pooling import offline
 
         return offline.classify(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
-    def score(self, text_1, text_2, use_tqdm: bool = False, truncate_prompt_tokens: int | None = None,
-              pooling_params=None):
-        """ScoringRequestOutputs (`.outputs.score`), one per pair: one-to-one or one-to-many."""
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = False,
+              truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """One score (`.outputs.score`) per pair, one-to-one or one-to-many: a cross-encoder's, or
+        an embedding model's cosine."""
         from kvtide.pooling import offline
 
         return offline.score(self, text_1, text_2, use_tqdm, truncate_prompt_tokens, pooling_params)

@@ -109,6 +109,7 @@ class AsyncLLM:
         self.max_model_len = self.info.max_model_len
         self.input_processor = InputProcessor(tokenizer, self.info.vocab_size, self.info.max_model_len,
                                               self.info.eos_token_ids)
+        self.input_processor.prompt_fills_context = self.info.pooler is not None
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_logger = stat_logger
         self._requests: dict[str, _RequestState] = {}

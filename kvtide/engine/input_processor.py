@@ -45,6 +45,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.prompt_fills_context = False
+        """A pooling model's prompt may take all of max_model_len: nothing is generated after it."""
         self.eos_token_ids = eos_token_ids
         self.num_invalid_structured_outputs = 0
         """Requests refused for a schema, regex or grammar that does not parse (a metric)."""
@@ -128,10 +130,16 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if check_length and len(token_ids) >= self.max_model_len:
+        if check_length and self.prompt_fills_context and len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        if check_length and not self.prompt_fills_context and len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
         return list(token_ids)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.max_model_len if self.prompt_fills_context else self.max_model_len - 1
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         if params.logit_bias:

@@ -36,10 +36,12 @@ class _Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position_offset = position_offset
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment per prompt: token type 0 everywhere (its row still shifts every token).
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """token_types (T,): None is segment 0 everywhere (its row still shifts every token)."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)
+        return self.LayerNorm(x + types)
 
 
 class _SelfAttention(nn.Module):
@@ -152,7 +154,7 @@ class BertModel(nn.Module):
                 **_: object) -> torch.Tensor:
         """input_ids, positions (T,): whole prompts, flat -> hidden states (T, hidden_size)."""
         padding = _Padding(list(metadata.query_start_loc_cpu), input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, self.token_types(input_ids, metadata))
         for layer in self.encoder.layer:
             x = layer(x, padding)
         return x
@@ -160,13 +162,28 @@ class BertModel(nn.Module):
     def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
         return pooled.float()
 
+    def token_types(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Segment ids of a pair prompt (a cross-encoder's): 1 after the first separator token
+        (`config.segment_separator_id`, from the tokenizer), 0 up to it; None: one segment."""
+        sep = getattr(self.config, "segment_separator_id", None)
+        if sep is None or getattr(self.config, "type_vocab_size", 1) < 2:
+            return None
+        starts = list(metadata.query_start_loc_cpu)
+        is_sep = (input_ids == sep).to(torch.int64)
+        types = torch.zeros_like(input_ids)
+        for a, b in zip(starts, starts[1:], strict=False):  # seps before each token, within its prompt
+            seen = torch.cumsum(is_sep[a:b], dim=0) - is_sep[a:b]
+            types[a:b] = (seen > 0).to(types.dtype)
+        return types
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
             for prefix in ("bert.", "roberta.", "model."):
                 name = name.removeprefix(prefix)
-            if name.startswith(("pooler.", "lm_head.", "cls.")) or name.endswith("position_ids"):
+            if (name.startswith("pooler.") and not hasattr(self, "pooler")) or name.startswith(("lm_head.", "cls.")) \
+                    or name.endswith("position_ids") or (name.startswith("classifier.") and not hasattr(self, "classifier")):
                 continue  # the pooler and MLM heads are not part of the embedding
             param = params.get(name)
             if param is None:
@@ -185,3 +202,54 @@ class XLMRobertaModel(BertModel):
 
 class RobertaModel(XLMRobertaModel):
     pass
+
+
+class _ClassificationHead(nn.Module):
+    """RoBERTa's head over the first (<s>) token: dense, tanh, out_proj."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+
+class XLMRobertaForSequenceClassification(XLMRobertaModel):
+    """Cross-encoder rerankers of the bge-reranker kind: CLS pooling (pooling/config.py), then the
+    classification head; a pair is one prompt with the tokenizer's pair template."""
+
+    def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
+        super().__init__(config, max_model_len, dtype)
+        if int(getattr(config, "num_labels", 0) or 0) < 1:
+            raise ValueError("a sequence classification checkpoint needs num_labels >= 1 in config.json")
+        self.classifier = _ClassificationHead(config)
+
+    def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) first-token states -> (R, num_labels) float32 logits."""
+        head = self.classifier
+        return head.out_proj(torch.tanh(head.dense(pooled))).float()
+
+
+class RobertaForSequenceClassification(XLMRobertaForSequenceClassification):
+    pass
+
+
+class _Pooler(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT cross-encoders (the ms-marco MiniLM kind): a pair is one prompt whose second segment gets
+    token type 1 (`token_types`); CLS pooling, BERT's pooler (dense, tanh), then `classifier`."""
+
+    def __init__(self, config, max_model_len: int, dtype: torch.dtype) -> None:
+        super().__init__(config, max_model_len, dtype)
+        if int(getattr(config, "num_labels", 0) or 0) < 1:
+            raise ValueError("a sequence classification checkpoint needs num_labels >= 1 in config.json")
+        self.pooler = _Pooler(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) [CLS] states -> (R, num_labels) float32 logits."""
+        return self.classifier(torch.tanh(self.pooler.dense(pooled))).float()

@@ -32,7 +32,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     **{arch: ("kvtide.models.pooling_decoders", arch) for arch in (
         "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
         "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")},
-    **{arch: ("kvtide.models.bert", arch) for arch in ("BertModel", "XLMRobertaModel", "RobertaModel")},
+    **{arch: ("kvtide.models.bert", arch) for arch in ("BertModel", "XLMRobertaModel", "RobertaModel",
+                                                        "XLMRobertaForSequenceClassification",
+                                                        "BertForSequenceClassification",
+                                                        "RobertaForSequenceClassification")},
 }
 TEXT_TOWERS = frozenset({"Gemma3ForConditionalGeneration"})
 """Multimodal architectures served as their text model: the engine reads their text_config."""

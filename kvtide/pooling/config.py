@@ -30,7 +30,10 @@ DECODER_EMBEDDERS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralF
 DECODER_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-ENCODERS = ("BertModel", "XLMRobertaModel", "RobertaModel")
+ENCODER_CLASSIFIERS = ("XLMRobertaForSequenceClassification", "RobertaForSequenceClassification",
+                       "BertForSequenceClassification")
+"""Cross-encoders of the bge-reranker and ms-marco MiniLM kinds (CLS pooling, the encoder's head)."""
+ENCODERS = ("BertModel", "XLMRobertaModel", "RobertaModel", *ENCODER_CLASSIFIERS)
 POOLING_ARCHITECTURES = frozenset(DECODER_EMBEDDERS) | frozenset(DECODER_CLASSIFIERS) | frozenset(ENCODERS)
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -104,7 +107,9 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
     if convert in ("embed", "classify") or not native:
         arch = _converted(arch, "classify" if convert == "classify" else "embed")
         hf_config.architectures = [arch]
-    task = "classify" if arch in DECODER_CLASSIFIERS else "embed"
+    task = "classify" if arch in DECODER_CLASSIFIERS or arch in ENCODER_CLASSIFIERS else "embed"
+    if arch == "BertForSequenceClassification":
+        _use_segment_separator(hf_config, model_dir)
     causal = arch not in ENCODERS
     settings: dict[str, Any] = {"pooling_type": "LAST" if causal else "CLS", "normalize": task == "embed"}
     settings.update(_sentence_transformers_settings(model_dir))
@@ -128,7 +133,7 @@ def resolve_pooling(runner: str, convert: str, pooler_config: str | dict | None,
 
 def _converted(arch: str, task: str) -> str:
     table = DECODER_CLASSIFIERS if task == "classify" else DECODER_EMBEDDERS
-    if arch in table or (task == "embed" and arch in ENCODERS):
+    if arch in table or arch in (ENCODER_CLASSIFIERS if task == "classify" else ENCODERS):
         return arch
     for pooling_arch, causal_lm in table.items():
         if arch == causal_lm:
@@ -137,6 +142,17 @@ def _converted(arch: str, task: str) -> str:
     raise ValueError(f"cannot run architecture {arch or '(none in config.json)'} as a pooling model "
                      f"(--convert {task}); supported: {', '.join(kinds)}"
                      + ("" if task == "classify" else f", and the encoders {', '.join(ENCODERS)}"))
+
+
+def _use_segment_separator(hf_config, model_dir: str) -> None:
+    """A BERT cross-encoder gives a pair's second text token type 1: it starts after the first
+    separator token, which the tokenizer names (models/bert.py token_types)."""
+    from transformers import AutoTokenizer
+
+    sep = AutoTokenizer.from_pretrained(model_dir).sep_token_id
+    if sep is None and getattr(hf_config, "type_vocab_size", 1) > 1:
+        raise ValueError("a BERT cross-encoder needs its tokenizer's sep_token to tell a pair's two texts apart")
+    hf_config.segment_separator_id = sep
 
 
 def _use_token_classifier(hf_config, tokens: list[str], model_dir: str) -> None:
@@ -230,7 +246,7 @@ def apply_pooler(config, pooler: PoolerConfig):
                          "--speculative-config")
     model = replace(config.model_config, pooler_config=pooler)
     hf_config = model.hf_config
-    if (getattr(hf_config, "architectures", None) or [""])[0] in ("XLMRobertaModel", "RobertaModel"):
+    if "Roberta" in (getattr(hf_config, "architectures", None) or [""])[0]:
         # RoBERTa's positions start past the padding id: max_position_embeddings - pad - 1 usable.
         usable = hf_config.max_position_embeddings - int(hf_config.pad_token_id) - 1
         if model.max_model_len > usable:

@@ -52,7 +52,7 @@ def encode(llm, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
     if len(params_list) != len(prompt_list):
         raise ValueError(f"pooling_params: got {len(params_list)} for {len(prompt_list)} prompts")
     hidden_size = llm.engine.core.config.model_config.hf_config.hidden_size
-    keep = check_truncation(truncate_prompt_tokens, llm.engine.input_processor.max_model_len)
+    keep = check_truncation(truncate_prompt_tokens, llm.engine.input_processor.max_prompt_len)
     processed = []
     for prompt, params in zip(prompt_list, params_list, strict=True):  # validate everything first
         if not isinstance(params, PoolingParams):

@@ -25,19 +25,19 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
     return list(zip(first, second, strict=True))
 
 
-def check_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """The number of tokens to keep (-1: the model's limit), or None: no truncation."""
+def check_truncation(truncate_prompt_tokens: int | None, max_prompt_len: int) -> int | None:
+    """The number of tokens to keep (-1: the longest prompt the model takes), or None: no truncation."""
     if truncate_prompt_tokens is None:
         return None
     if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int):
         raise ValueError("truncate_prompt_tokens must be an integer")
     if truncate_prompt_tokens == -1:
-        return max_model_len - 1
+        return max_prompt_len
     if truncate_prompt_tokens < 1:
         raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {truncate_prompt_tokens}")
-    if truncate_prompt_tokens >= max_model_len:
-        raise ValueError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) must be below max_model_len "
-                         f"({max_model_len})")
+    if truncate_prompt_tokens > max_prompt_len:
+        raise ValueError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) must be at most the longest prompt "
+                         f"the model takes ({max_prompt_len} tokens)")
     return truncate_prompt_tokens
 
 

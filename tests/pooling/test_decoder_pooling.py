@@ -68,7 +68,9 @@ def test_chunked_prefill_and_prefix_cache_keep_last_token_embeddings(qwen3_embed
 
 def test_mean_pooling_carries_its_sum_across_chunks(checkpoint_factory):
     model_dir = checkpoint_factory("LlamaModel", seed=5)
-    llm = make_llm(model_dir, max_num_batched_tokens=20, pooler_config={"pooling_type": "MEAN", "normalize": False})
+    # Async scheduling too: the next step is scheduled while one runs, and no pooling request runs past its prompt.
+    llm = make_llm(model_dir, max_num_batched_tokens=20, async_scheduling=True,
+                   pooler_config={"pooling_type": "MEAN", "normalize": False})
     try:
         assert not llm.engine.core.config.cache_config.enable_prefix_caching  # MEAN reads every position
         outputs = llm.embed(PROMPTS)

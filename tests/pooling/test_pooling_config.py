@@ -98,9 +98,9 @@ def test_params_and_scoring_helpers_refuse_bad_values():
         score_pairs(["q", "r"], ["a", "b", "c"])
     with pytest.raises(ValueError, match="empty"):
         score_pairs([], "a")
-    assert check_truncation(-1, 100) == 99 and check_truncation(None, 100) is None
-    with pytest.raises(ValueError, match="below max_model_len"):
-        check_truncation(100, 100)
+    assert check_truncation(-1, 100) == 100 and check_truncation(None, 100) is None
+    with pytest.raises(ValueError, match="at most the longest prompt"):
+        check_truncation(101, 100)
     assert truncate_ids([1, 2, 3, 4], 2) == [3, 4]
 
 

@@ -157,7 +157,7 @@ async def _prepare(state: ServerState, items: list, truncate: int | None, add_sp
     first bad input)."""
     tokenizer, processor = state.tokenizer, state.engine.input_processor
     try:
-        keep = check_truncation(truncate, state.max_model_len)
+        keep = check_truncation(truncate, processor.max_prompt_len)
     except ValueError as e:
         raise OpenAIError(str(e), 400, param="truncate_prompt_tokens") from None
     limit = offload.prompt_chars_limit(tokenizer, state.max_model_len) if keep is None else None
