@@ -475,6 +475,7 @@ PROMOTIONS = [  # (source case, K, target kind, target group)
     ("int4-g32-no-mins", 64, "int8", 32),  # the shift of 8 becomes the mins
     ("int4-g128", 256, "int4", 32),
     ("int4-channel", 256, "int8", 16),
+    ("int4-g16", 64, "int8", 16),  # Q2_K/Q3_K on an accelerator, or beside a Q6_K shard
     ("int8-g32", 64, "int8", 16),
     ("int8-g16-mins", 64, "int8", 16),
     ("fp8-channel", 256, "fp8", 64),

@@ -38,5 +38,6 @@ def test_served_gguf_answers_as_the_offline_engine(gguf_file, fresh_kvtide_cache
             assert set(memory) == {"weights_stored", "weights_held", "packed_copies", "kv_pool", "runtime", "resident"}
             assert memory["weights_stored"] == sum(int(t.n_bytes) for t in GGUFReader(gguf_file).tensors)
             assert memory["weights_held"] == offline.engine.core.memory["weights_held"], memory
+            assert "memory: weights " in server.log()  # the startup line, in the server's log
     finally:
         server.stop()

@@ -119,8 +119,10 @@ class GGUFConfig(QuantizationConfig):
     def check_parallel(self, hf_config, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """GGUF's blocks run along input columns and are decoded into groups of 16 or 32 columns per
         row, so a column-parallel rank takes its rows and a row-parallel rank whole groups of its
-        in/tp columns (every rank still decodes each tensor of the file whole, then keeps its part)."""
-        groups = [FORMATS[t][1] for t in self.tensor_types.values() if t in FORMATS]
+        in/tp columns (every rank still decodes each tensor of the file whole, then keeps its part);
+        nibble codes also need whole 32-blocks."""
+        groups = [max(group, INT4_BLOCK) if kind in NIBBLE_KINDS else group
+                  for kind, group in (FORMATS[t] for t in self.tensor_types.values() if t in FORMATS)]
         if tensor_parallel_size > 1 and groups:
             check_shard_widths("GGUF's quantization block of", max(groups), hf_config, tensor_parallel_size)
 

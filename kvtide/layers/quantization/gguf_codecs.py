@@ -6,7 +6,8 @@ reads each ggml block format into the engine's own layout (see `qweight.py`):
 
     w[n, k] = scales[n, k // group_size] * code[n, k] + mins[n, k // group_size]
 
-keeping the codes as integers. Every decoder works on all blocks of a tensor at once with numpy
+keeping the codes as integers (for IQ4_NL/IQ4_XS, the iq4 kind, code[n, k] stands for the level
+its nibble indexes). Every decoder works on all blocks of a tensor at once with numpy
 (a tensor has millions of weights; a Python loop per block would take minutes to load a model).
 
 The byte layouts follow ggml's `block_*` structs (ggml-common.h) and its reference dequantizers
