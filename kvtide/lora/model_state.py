@@ -68,6 +68,8 @@ class LoRAModelState:
         """The adapter id in each slot (0: free)."""
         self._slot_used = [0.0] * config.max_loras
         self._step: LoRAStepGroups | None = None
+        self._subsets: dict[tuple, LoRAStepGroups] = {}
+        """This step's groups restricted to the slots a linear has weights in, by those segments."""
         self._model = model
         self._fused_decode = getattr(model, "fused_decode", None)
         """The model's fused CPU decode layers (layers/fused_decode.py), if any: they run the
@@ -167,10 +169,12 @@ class LoRAModelState:
         req_slots = np.fromiter((slot_of.get(r.lora_int_id, -1) if r is not None else -1 for r in requests),
                                 dtype=np.int64, count=len(requests))
         self._step = group_tokens_by_slot(np.repeat(req_slots, lens), self.device)
+        self._subsets = {}
         return {i: errors[r.lora_int_id] for i, r in enumerate(requests) if r is not None and r.lora_int_id in errors}
 
     def end_step(self) -> None:
         self._step = None
+        self._subsets = {}
 
     def _hook(self, slots: _SlotTensors):
         def add_rows_lora(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -179,10 +183,12 @@ class LoRAModelState:
                 return None
             x = args[0]
             assert x.shape[0] == step.num_tokens, "a LoRA step's rows and the forward's rows differ"
-            segments = [seg for seg in step.segments if slots.filled[seg[0]]]
+            segments = tuple(seg for seg in step.segments if slots.filled[seg[0]])
             if not segments:
                 return None
-            groups = step if len(segments) == len(step.segments) else _subset(step, segments)
+            groups = step
+            if len(segments) < len(step.segments):  # the same few subsets recur over the layers
+                groups = self._subsets.get(segments) or self._subsets.setdefault(segments, _subset(step, segments))
             return self._add_lora(output, x, slots.lora_a, slots.lora_b, groups, slots.linear.out_slices)
         return add_rows_lora
 
@@ -196,7 +202,7 @@ def _choose_op(device: torch.device):
     return add_lora
 
 
-def _subset(step: LoRAStepGroups, segments: list[tuple[int, int, int]]) -> LoRAStepGroups:
+def _subset(step: LoRAStepGroups, segments: tuple[tuple[int, int, int], ...]) -> LoRAStepGroups:
     """The groups of `step` for only some of its slots (a linear some adapters leave alone)."""
     perm = torch.cat([step.perm[start:end] for _, start, end in segments])
     new_segments, at = [], 0
