@@ -119,3 +119,22 @@ def test_warm_prefix_cache_is_keyed_by_adapter(lora_case_factory):
     again = llm.generate(prompts[:1], GREEDY, lora_request=lora_requests(case, [second]))
     assert again[0].num_cached_tokens >= 112
     assert_each_matches_its_adapter(case, prompts[:1], [second], again)
+
+
+QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                 norm_topk_prob=False, mlp_only_layers=[1])
+
+
+def test_moe_with_attention_only_adapter_matches_hf(checkpoint_factory, tmp_path):
+    from lora_cases import ATTENTION, make_peft_adapter
+
+    base = checkpoint_factory("Qwen2MoeForCausalLM", **QWEN2_MOE)
+    adapter = make_peft_adapter(base, str(tmp_path / "attn"), 8, 16, ATTENTION, False, 4, str(tmp_path / "merged"))
+    prompts = PROMPTS[:2]
+    assert any(hf_greedy(str(tmp_path / "merged"), p, MAX_TOKENS).token_ids != hf_greedy(base, p, MAX_TOKENS).token_ids
+               for p in prompts)
+    llm = make_llm(base, max_loras=1)
+    lora = LoRARequest("attn", 1, adapter)
+    outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
+    for prompt, reference, out in zip(prompts, [str(tmp_path / "merged"), base], outputs, strict=True):
+        assert_greedy_and_logprobs_match_hf(reference, [prompt], [out], MAX_TOKENS, LOGPROB_TOL)
