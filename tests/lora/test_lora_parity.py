@@ -138,3 +138,39 @@ def test_moe_with_attention_only_adapter_matches_hf(checkpoint_factory, tmp_path
     outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
     for prompt, reference, out in zip(prompts, [str(tmp_path / "merged"), base], outputs, strict=True):
         assert_greedy_and_logprobs_match_hf(reference, [prompt], [out], MAX_TOKENS, LOGPROB_TOL)
+
+
+def test_a_slow_adapter_load_does_not_hold_the_step_loop(lora_case_factory, monkeypatch):
+    """An adapter evicted from host memory reloads on the loader thread: its request waits in the
+    queue while the base request keeps decoding, then runs and matches HF."""
+    import threading
+    import time
+
+    from kvtide.lora import model_state
+
+    case = lora_case_factory("LlamaForCausalLM")
+    llm = make_llm(case.base_dir, max_loras=1, max_cpu_loras=1)
+    slow, loads = NAMES[0], []
+    real_load = model_state.load_adapter
+
+    def slow_load(request, *args, **kwargs):
+        loads.append((request.lora_name, threading.current_thread().name))
+        if request.lora_name == slow and len(loads) > 2:
+            time.sleep(1.0)
+        return real_load(request, *args, **kwargs)
+    monkeypatch.setattr(model_state, "load_adapter", slow_load)
+    first, second = lora_requests(case, [slow, NAMES[1]])
+    llm.engine.add_lora(first)
+    llm.engine.add_lora(second)  # one host slot: the first is evicted
+    steps: list[set[str]] = []
+    runner = llm.engine.core.executor.runner
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda so: steps.append(set(so.num_scheduled_tokens)) or execute(so))
+    many = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.engine.add_request("base", "Hello", many)
+    llm.engine.add_request("adapter", PROMPTS[0], GREEDY, lora_request=first)
+    outputs = {o.request_id: o for o in llm._run(["base", "adapter"], use_tqdm=False)}
+    assert loads[2][0] == slow and loads[2][1].startswith("kvtide-lora-load")
+    first_with_adapter = next(i for i, ids in enumerate(steps) if "adapter" in ids)
+    assert sum("base" in ids for ids in steps[:first_with_adapter]) >= 5  # steps went on while it loaded
+    assert_each_matches_its_adapter(case, PROMPTS[:1], [slow], [outputs["adapter"]])
