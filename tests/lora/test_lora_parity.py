@@ -174,3 +174,30 @@ def test_a_slow_adapter_load_does_not_hold_the_step_loop(lora_case_factory, monk
     first_with_adapter = next(i for i, ids in enumerate(steps) if "adapter" in ids)
     assert sum("base" in ids for ids in steps[:first_with_adapter]) >= 5  # steps went on while it loaded
     assert_each_matches_its_adapter(case, PROMPTS[:1], [slow], [outputs["adapter"]])
+
+
+def test_eight_adapters_and_base_rows_in_one_batch_match_hf(lora_case_factory, tmp_path_factory):
+    from lora_cases import ATTENTION, MLP, make_peft_adapter
+
+    case = lora_case_factory("LlamaForCausalLM")
+    root = tmp_path_factory.mktemp("eight")
+    adapters = dict(case.adapter_dirs)
+    merged = dict(case.merged_dirs)
+    extra = {"r2-qv": (2, 4, ["q_proj", "v_proj"]), "r12-o-down": (12, 24, ["o_proj", "down_proj"]),
+             "r16-k-up": (16, 8, ["k_proj", "up_proj"]), "r6-gate": (6, 12, ["gate_proj"]),
+             "r10-all": (10, 10, ATTENTION + MLP)}
+    for seed, (name, (rank, alpha, targets)) in enumerate(extra.items(), start=10):
+        merged[name] = str(root / f"{name}-merged")
+        adapters[name] = make_peft_adapter(case.base_dir, str(root / name), rank, alpha, targets, False, seed,
+                                           merged[name])
+    names = list(adapters)
+    assert len(names) == 8
+    prompts = random_prompts(10, seed=21, max_words=12)
+    assigned = names + [None, None]
+    requests = [None if n is None else LoRARequest(n, names.index(n) + 1, adapters[n]) for n in assigned]
+    llm = make_llm(case.base_dir, max_loras=8)
+    outputs = llm.generate(prompts, GREEDY, lora_request=requests)
+    for prompt, name, out in zip(prompts, assigned, outputs, strict=True):
+        assert_greedy_and_logprobs_match_hf(merged[name] if name else case.base_dir, [prompt], [out], MAX_TOKENS,
+                                            LOGPROB_TOL)
+    assert len(llm.engine.core.executor.lora_stats()["resident"]) == 8
