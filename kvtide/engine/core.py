@@ -72,6 +72,7 @@ class EngineCore:
                                    kv_connector.scheduler if kv_connector is not None else None)
         if config.lora_config is not None:
             self.scheduler.max_loras = config.lora_config.max_loras
+            self.scheduler.lora_ready = getattr(executor, "lora_prefetch", None)
         self._loras_to_remove: set[int] = set()
         """LoRA adapters unloaded while requests still ran with them: removed once those finish."""
         self._lora_names: dict[int, str] = {}
@@ -219,6 +220,8 @@ class EngineCore:
             self.structured_output.wait_for_compilation(0.05)  # instead of spinning on empty steps
         if scheduler_output.is_empty and self.kv_connector is not None:
             self.kv_connector.scheduler.wait(0.05)  # KV in transit
+        if scheduler_output.is_empty and self.scheduler.num_lora_loading:
+            time.sleep(0.005)  # adapters loading off the loop, and nothing else to run meanwhile
         return scheduler_output
 
     def _launch(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:

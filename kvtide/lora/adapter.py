@@ -74,10 +74,6 @@ class LoadedAdapter:
     rank: int
     weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for shards in self.weights.values() for a, b in shards.values())
-
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
                  dtype: torch.dtype, checkpoint_name=lambda name: name) -> LoadedAdapter:
@@ -94,7 +90,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_
         lacking = [t for t in config.target_modules if t.rsplit(".", 1)[-1] not in leaves]
         if lacking:
             raise ValueError(f"LoRA adapter {request.lora_name!r} targets modules the model lacks: "
-                             f"{', '.join(sorted(lacking))} (it has {', '.join(sorted(leaves))})")
+                             f"{', '.join(sorted(lacking))} (adaptable here: {', '.join(sorted(leaves))}; "
+                             "embeddings and the LM head are not)")
     try:
         tensors = load_file(os.path.join(path, WEIGHTS_FILE))
     except (SafetensorError, OSError, ValueError) as e:

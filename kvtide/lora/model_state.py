@@ -14,9 +14,11 @@ is set (`begin_step` .. `end_step`); passes outside a step (profiling, calibrati
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -68,6 +70,8 @@ class LoRAModelState:
         """The adapter id in each slot (0: free)."""
         self._slot_used = [0.0] * config.max_loras
         self._step: LoRAStepGroups | None = None
+        self._subsets: dict[tuple, LoRAStepGroups] = {}
+        """This step's groups restricted to the slots a linear has weights in, by those segments."""
         self._model = model
         self._fused_decode = getattr(model, "fused_decode", None)
         """The model's fused CPU decode layers (layers/fused_decode.py), if any: they run the
@@ -76,6 +80,13 @@ class LoRAModelState:
         """The batched op: the Triton kernels on CUDA (when Triton is installed), else the torch op."""
         self.load_seconds: list[float] = []
         """How long each adapter load from disk took (the metrics report them)."""
+        self._lock = threading.Lock()
+        """Guards the host cache, the pins and the pending loads (the loader thread writes them)."""
+        self._loader: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future] = {}
+        """lora_int_id -> its load ahead, until a prefetch sees it done."""
+        self._pinned: set[int] = set()
+        """Adapters loaded ahead and not yet run: the host cache keeps them."""
         self._hooks = [slots.linear.module.register_forward_hook(self._hook(slots)) for slots in self.linears.values()]
 
     def weights_derived_again(self) -> None:
@@ -94,33 +105,84 @@ class LoRAModelState:
 
     def stats(self) -> dict:
         """Adapter ids in the slots and in host memory, and every load's seconds so far."""
-        return {"resident": self.resident_ids(), "host": list(self.host), "load_seconds": list(self.load_seconds)}
+        with self._lock:
+            host = list(self.host)
+        return {"resident": self.resident_ids(), "host": host, "load_seconds": list(self.load_seconds)}
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
 
     def _load(self, request: LoRARequest) -> LoadedAdapter:
-        held = self.host.get(request.lora_int_id)
-        if held is not None:
-            if (held.request.lora_name, held.request.lora_path) != (request.lora_name, request.lora_path):
-                raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter "
-                                 f"{held.request.lora_name!r} ({held.request.lora_path})")
-            self.host.move_to_end(request.lora_int_id)
-            return held
-        start = time.perf_counter()
-        adapter = load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype,
-                               lambda name: self._checkpoint_name(name) or name)
-        self.load_seconds.append(time.perf_counter() - start)
-        self.host[request.lora_int_id] = adapter
+        with self._lock:
+            held = self.host.get(request.lora_int_id)
+            if held is not None:
+                if (held.request.lora_name, held.request.lora_path) != (request.lora_name, request.lora_path):
+                    raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter "
+                                     f"{held.request.lora_name!r} ({held.request.lora_path})")
+                self.host.move_to_end(request.lora_int_id)
+                return held
+        adapter = self._read(request)
+        self._keep(adapter, pin=False)
         if request.lora_int_id in self.slot_ids:  # a slot keeps what it held: refresh it from the files read now
             slot = self.slot_ids.index(request.lora_int_id)
             for name, slots in self.linears.items():
                 slots.write(slot, adapter.weights.get(name))
-        while len(self.host) > self.config.max_cpu_loras:
-            evicted, _ = self.host.popitem(last=False)
-            logger.info("LoRA adapter %d evicted from host memory", evicted)
         return adapter
+
+    def _read(self, request: LoRARequest) -> LoadedAdapter:
+        start = time.perf_counter()
+        adapter = load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype,
+                               lambda name: self._checkpoint_name(name) or name)
+        self.load_seconds.append(time.perf_counter() - start)
+        return adapter
+
+    def _keep(self, adapter: LoadedAdapter, pin: bool) -> None:
+        """Into the host cache, evicting the least recently used adapters over max_cpu_loras (never
+        a pinned one: loaded ahead for a waiting request that has not run yet)."""
+        lora_id = adapter.request.lora_int_id
+        with self._lock:
+            if pin and lora_id not in self._pending:  # removed while it loaded
+                return
+            self.host[lora_id] = adapter
+            self.host.move_to_end(lora_id)
+            if pin:
+                self._pinned.add(lora_id)
+            for victim in [i for i in self.host if i not in self._pinned and i != lora_id]:
+                if len(self.host) <= self.config.max_cpu_loras:
+                    break
+                del self.host[victim]
+                logger.info("LoRA adapter %d evicted from host memory", victim)
+
+    # ---- loading ahead (off the step loop) ----------------------------------------------------
+    def prefetch(self, request: LoRARequest) -> bool:
+        """Whether `request`'s adapter is ready for a step (in a slot or in host memory); if not,
+        start reading it on the loader thread and say False (the request waits in the queue, and
+        the steps go on). A load that failed says True: the step then fails that request alone."""
+        lora_id = request.lora_int_id
+        with self._lock:
+            if lora_id in self.host or lora_id in self.slot_ids:
+                return True
+            future = self._pending.get(lora_id)
+            if future is None:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, "kvtide-lora-load")
+                self._pending[lora_id] = self._loader.submit(self._load_ahead, request)
+                return False
+            if not future.done():
+                return False
+            del self._pending[lora_id]
+        return True
+
+    def _load_ahead(self, request: LoRARequest) -> None:
+        self._keep(self._read(request), pin=True)
 
     def remove_adapter(self, lora_int_id: int) -> bool:
         """Forget an adapter: its host copy and its slot. Whether it was held."""
-        held = self.host.pop(lora_int_id, None) is not None
+        with self._lock:
+            held = self.host.pop(lora_int_id, None) is not None
+            self._pinned.discard(lora_int_id)
+            self._pending.pop(lora_int_id, None)
         if lora_int_id in self.slot_ids:
             slot = self.slot_ids.index(lora_int_id)
             for slots in self.linears.values():
@@ -146,6 +208,8 @@ class LoRAModelState:
             for name, slots in self.linears.items():
                 slots.write(slot, adapter.weights.get(name))
             self.slot_ids[slot] = lora_id
+            with self._lock:
+                self._pinned.discard(lora_id)
         self._slot_used[slot] = time.monotonic()
         return slot
 
@@ -172,10 +236,12 @@ class LoRAModelState:
         req_slots = np.fromiter((slot_of.get(r.lora_int_id, -1) if r is not None else -1 for r in requests),
                                 dtype=np.int64, count=len(requests))
         self._step = group_tokens_by_slot(np.repeat(req_slots, lens), self.device)
+        self._subsets = {}
         return {i: errors[r.lora_int_id] for i, r in enumerate(requests) if r is not None and r.lora_int_id in errors}
 
     def end_step(self) -> None:
         self._step = None
+        self._subsets = {}
 
     def _hook(self, slots: _SlotTensors):
         def add_rows_lora(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -184,10 +250,12 @@ class LoRAModelState:
                 return None
             x = args[0]
             assert x.shape[0] == step.num_tokens, "a LoRA step's rows and the forward's rows differ"
-            segments = [seg for seg in step.segments if slots.filled[seg[0]]]
+            segments = tuple(seg for seg in step.segments if slots.filled[seg[0]])
             if not segments:
                 return None
-            groups = step if len(segments) == len(step.segments) else _subset(step, segments)
+            groups = step
+            if len(segments) < len(step.segments):  # the same few subsets recur over the layers
+                groups = self._subsets.get(segments) or self._subsets.setdefault(segments, _subset(step, segments))
             return self._add_lora(output, x, slots.lora_a, slots.lora_b, groups, slots.linear.out_slices)
         return add_rows_lora
 
@@ -201,7 +269,7 @@ def _choose_op(device: torch.device):
     return add_lora
 
 
-def _subset(step: LoRAStepGroups, segments: list[tuple[int, int, int]]) -> LoRAStepGroups:
+def _subset(step: LoRAStepGroups, segments: tuple[tuple[int, int, int], ...]) -> LoRAStepGroups:
     """The groups of `step` for only some of its slots (a linear some adapters leave alone)."""
     perm = torch.cat([step.perm[start:end] for _, start, end in segments])
     new_segments, at = [], 0

@@ -26,16 +26,6 @@ class PEFTAdapterConfig:
         """What B(Ax) is multiplied by: alpha / r, or alpha / sqrt(r) with rank-stabilized LoRA."""
         return self.lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
-    def targets(self, module_name: str) -> bool:
-        """Whether PEFT would have put LoRA on the checkpoint module `module_name` (no "model.")."""
-        if isinstance(self.target_modules, str):
-            if self.target_modules == "all-linear":
-                return True
-            return re.fullmatch(self.target_modules, module_name) is not None \
-                or re.fullmatch(self.target_modules, "model." + module_name) is not None
-        leaf = module_name.rsplit(".", 1)[-1]
-        return leaf in self.target_modules
-
 
 def read_adapter_config(path: str, max_lora_rank: int) -> PEFTAdapterConfig:
     """The adapter's config, or ValueError naming what is wrong: a missing directory or file,

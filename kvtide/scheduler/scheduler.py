@@ -116,6 +116,10 @@ class Scheduler:
         """Running requests the runner has not seen (forked children): sent as NewRequestData."""
         self.max_loras: int | None = None
         """With LoRA: the most distinct adapters running at once (the model's slots); None: no LoRA."""
+        self.lora_ready = None
+        """With LoRA: LoRARequest -> whether its adapter is loaded (if not, its load starts), or None."""
+        self.num_lora_loading = 0
+        """Requests the last schedule() left waiting for their adapter to load."""
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -235,6 +239,7 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self.num_lora_loading = 0
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -402,11 +407,17 @@ class Scheduler:
 
     def _lora_slot_free(self, request: Request) -> bool:
         """Whether `request` may run beside the running ones: its adapter is among theirs, or they
-        use fewer than max_loras adapters (the model holds that many at once)."""
+        use fewer than max_loras adapters (the model holds that many at once); and its adapter is
+        loaded (`lora_ready` starts the load of one that is not, which the queue waits for)."""
         if request.lora_request is None or self.max_loras is None:
             return True
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
-        return request.lora_request.lora_int_id in running or len(running) < self.max_loras
+        if request.lora_request.lora_int_id not in running and len(running) >= self.max_loras:
+            return False
+        if self.lora_ready is not None and not self.lora_ready(request.lora_request):
+            self.num_lora_loading += 1
+            return False
+        return True
 
     def _fail_grammar(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED_ABORTED

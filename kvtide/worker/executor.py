@@ -64,6 +64,11 @@ class UniprocExecutor:
     def lora_stats(self) -> dict:
         return self._lora().stats()
 
+    def lora_prefetch(self, lora_request) -> bool:
+        """Whether a waiting request's adapter is ready for a step; if not, it starts loading off
+        the step loop (lora/model_state.py prefetch)."""
+        return self._lora().prefetch(lora_request)
+
     def _lora(self):
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
@@ -102,4 +107,5 @@ class UniprocExecutor:
         return [call(self.runner, *args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.lora is not None:
+            self.runner.lora.shutdown()

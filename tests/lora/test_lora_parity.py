@@ -119,3 +119,85 @@ def test_warm_prefix_cache_is_keyed_by_adapter(lora_case_factory):
     again = llm.generate(prompts[:1], GREEDY, lora_request=lora_requests(case, [second]))
     assert again[0].num_cached_tokens >= 112
     assert_each_matches_its_adapter(case, prompts[:1], [second], again)
+
+
+QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                 norm_topk_prob=False, mlp_only_layers=[1])
+
+
+def test_moe_with_attention_only_adapter_matches_hf(checkpoint_factory, tmp_path):
+    from lora_cases import ATTENTION, make_peft_adapter
+
+    base = checkpoint_factory("Qwen2MoeForCausalLM", **QWEN2_MOE)
+    adapter = make_peft_adapter(base, str(tmp_path / "attn"), 8, 16, ATTENTION, False, 4, str(tmp_path / "merged"))
+    prompts = PROMPTS[:2]
+    assert any(hf_greedy(str(tmp_path / "merged"), p, MAX_TOKENS).token_ids != hf_greedy(base, p, MAX_TOKENS).token_ids
+               for p in prompts)
+    llm = make_llm(base, max_loras=1)
+    lora = LoRARequest("attn", 1, adapter)
+    outputs = llm.generate(prompts, GREEDY, lora_request=[lora, None])
+    for prompt, reference, out in zip(prompts, [str(tmp_path / "merged"), base], outputs, strict=True):
+        assert_greedy_and_logprobs_match_hf(reference, [prompt], [out], MAX_TOKENS, LOGPROB_TOL)
+
+
+def test_a_slow_adapter_load_does_not_hold_the_step_loop(lora_case_factory, monkeypatch):
+    """An adapter evicted from host memory reloads on the loader thread: its request waits in the
+    queue while the base request keeps decoding, then runs and matches HF."""
+    import threading
+    import time
+
+    from kvtide.lora import model_state
+
+    case = lora_case_factory("LlamaForCausalLM")
+    llm = make_llm(case.base_dir, max_loras=1, max_cpu_loras=1)
+    slow, loads = NAMES[0], []
+    real_load = model_state.load_adapter
+
+    def slow_load(request, *args, **kwargs):
+        loads.append((request.lora_name, threading.current_thread().name))
+        if request.lora_name == slow and len(loads) > 2:
+            time.sleep(1.0)
+        return real_load(request, *args, **kwargs)
+    monkeypatch.setattr(model_state, "load_adapter", slow_load)
+    first, second = lora_requests(case, [slow, NAMES[1]])
+    llm.engine.add_lora(first)
+    llm.engine.add_lora(second)  # one host slot: the first is evicted
+    steps: list[set[str]] = []
+    runner = llm.engine.core.executor.runner
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda so: steps.append(set(so.num_scheduled_tokens)) or execute(so))
+    many = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.engine.add_request("base", "Hello", many)
+    llm.engine.add_request("adapter", PROMPTS[0], GREEDY, lora_request=first)
+    outputs = {o.request_id: o for o in llm._run(["base", "adapter"], use_tqdm=False)}
+    assert loads[2][0] == slow and loads[2][1].startswith("kvtide-lora-load")
+    first_with_adapter = next(i for i, ids in enumerate(steps) if "adapter" in ids)
+    assert sum("base" in ids for ids in steps[:first_with_adapter]) >= 5  # steps went on while it loaded
+    assert_each_matches_its_adapter(case, PROMPTS[:1], [slow], [outputs["adapter"]])
+
+
+def test_eight_adapters_and_base_rows_in_one_batch_match_hf(lora_case_factory, tmp_path_factory):
+    from lora_cases import ATTENTION, MLP, make_peft_adapter
+
+    case = lora_case_factory("LlamaForCausalLM")
+    root = tmp_path_factory.mktemp("eight")
+    adapters = dict(case.adapter_dirs)
+    merged = dict(case.merged_dirs)
+    extra = {"r2-qv": (2, 4, ["q_proj", "v_proj"]), "r12-o-down": (12, 24, ["o_proj", "down_proj"]),
+             "r16-k-up": (16, 8, ["k_proj", "up_proj"]), "r6-gate": (6, 12, ["gate_proj"]),
+             "r10-all": (10, 10, ATTENTION + MLP)}
+    for seed, (name, (rank, alpha, targets)) in enumerate(extra.items(), start=10):
+        merged[name] = str(root / f"{name}-merged")
+        adapters[name] = make_peft_adapter(case.base_dir, str(root / name), rank, alpha, targets, False, seed,
+                                           merged[name])
+    names = list(adapters)
+    assert len(names) == 8
+    prompts = random_prompts(10, seed=21, max_words=12)
+    assigned = names + [None, None]
+    requests = [None if n is None else LoRARequest(n, names.index(n) + 1, adapters[n]) for n in assigned]
+    llm = make_llm(case.base_dir, max_loras=8)
+    outputs = llm.generate(prompts, GREEDY, lora_request=requests)
+    for prompt, name, out in zip(prompts, assigned, outputs, strict=True):
+        assert_greedy_and_logprobs_match_hf(merged[name] if name else case.base_dir, [prompt], [out], MAX_TOKENS,
+                                            LOGPROB_TOL)
+    assert len(llm.engine.core.executor.lora_stats()["resident"]) == 8

@@ -151,3 +151,16 @@ def test_adapter_gone_before_its_reload_fails_only_its_requests(case, tmp_path):
         assert llm.generate(["Hi"], GREEDY, lora_request=other)[0].outputs[0].finish_reason == "length"
     finally:
         llm.shutdown()
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(llm, case):
+    lora = LoRARequest("in-use", 20, case.adapter_dirs["attn-r8"])
+    alone = llm.generate(["Hello there"], GREEDY, lora_request=lora)[0].outputs[0].token_ids
+    llm.engine.add_lora(lora)
+    llm.engine.add_request("in-flight", "Hello there", GREEDY, lora_request=lora)
+    llm.engine.remove_lora(lora.lora_int_id)  # deferred: a request still runs with it
+    assert 20 in llm.engine.core.executor.lora_stats()["host"]
+    out = llm._run(["in-flight"], use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == alone and out.finish_reason == "length"
+    stats = llm.engine.core.executor.lora_stats()
+    assert 20 not in stats["host"] and 20 not in stats["resident"]
