@@ -61,6 +61,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams holding the model's sampling defaults (--generation-config); a
+        request that leaves a field unset gets the same value anyway."""
+        return SamplingParams().with_defaults(self.engine.input_processor.generation_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None,

@@ -56,6 +56,7 @@ def test_auto_takes_the_models_defaults_and_vllm_does_not(greedy_by_default, cap
     greedy = auto.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
     samples = [c.token_ids for c in auto.generate(PROMPT, unset())[0].outputs]
     assert samples == [greedy] * 4
+    assert (auto.get_default_sampling_params().temperature, auto.get_default_sampling_params().top_k) == (0.7, 1)
     # A field the request sets wins over the model's.
     free = [c.token_ids for c in auto.generate(PROMPT, unset(top_k=-1))[0].outputs]
     assert len({tuple(t) for t in free}) > 1
