@@ -95,8 +95,13 @@ class DataParallelLLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
-        """Validate and send one request to its replica; ValueError before anything is queued."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    lora_request=None, pooling_params=None) -> None:
+        """Validate and send one request to its replica; ValueError before anything is queued. LoRA
+        adapters and pooling requests run on one replica only (EngineArgs refuses the flags with
+        data parallelism), so here they are refused too."""
+        if lora_request is not None or pooling_params is not None:
+            raise ValueError("LoRA adapters and pooling requests do not run under data parallelism yet")
         self._run(self._add(request_id, prompt, params, priority))
 
     async def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> None:

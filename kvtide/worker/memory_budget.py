@@ -44,7 +44,7 @@ def stored_weight_bytes(model_dir: str) -> int:
     marker = os.path.join(model_dir, MARKER)
     if os.path.exists(marker):
         with open(marker) as f:
-            return sum(int(entry["nbytes"]) for entry in json.load(f)["tensors"])
+            return sum(_entry_bytes(entry) for entry in json.load(f)["tensors"])
     total = 0
     for name in sorted(os.listdir(model_dir)):
         path = os.path.join(model_dir, name)
@@ -53,6 +53,14 @@ def stored_weight_bytes(model_dir: str) -> int:
         elif name.endswith(WEIGHT_FILE_SUFFIXES) and os.path.isfile(path):
             total += os.path.getsize(path)
     return total
+
+
+def _entry_bytes(entry: dict) -> int:
+    """A GGUF index entry's bytes in the file: its own range, or its parts' (gpt-oss's expert
+    tensors put back together from llama.cpp's split gate and up tensors)."""
+    if "nbytes" in entry:
+        return int(entry["nbytes"])
+    return sum(int(part["nbytes"]) for part in entry["parts"])
 
 
 def _safetensors_data_bytes(path: str) -> int:

@@ -87,6 +87,23 @@ def check_error_body(body: Any) -> dict:
     return error
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+"""Routes that answer in Anthropic's error shape (the Messages API), not OpenAI's."""
+
+
+def check_error_body_for(path: str, body: Any) -> dict:
+    """The error object a route owes: Anthropic's {"type": "error", "error": {"type", "message"}} on
+    the Messages API, OpenAI's everywhere else."""
+    if not path.startswith(ANTHROPIC_PATHS):
+        return check_error_body(body)
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert isinstance(error["message"], str) and error["message"], error
+    return error
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.02) -> float:
     """Poll until predicate() is true; returns the seconds it took (AssertionError after timeout_s)."""
     start_t = time.monotonic()
