@@ -406,9 +406,9 @@ def _soak_step(m: KVCacheMachine, rng: random.Random) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_kv_cache_soak(seed):
-    """Seeded random walks over the same operations, ~25 s per seed (KVTIDE_SOAK_S to change).
+    """Seeded random walks over the same operations, ~15 s per seed (KVTIDE_SOAK_S to change).
     A failure names the seed and the step, so it replays exactly."""
-    budget_s = float(os.environ.get("KVTIDE_SOAK_S", "25"))
+    budget_s = float(os.environ.get("KVTIDE_SOAK_S", "15"))
     rng = random.Random(seed)
     deadline = time.monotonic() + budget_s
     walks = steps = 0

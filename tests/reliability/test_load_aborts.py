@@ -33,7 +33,7 @@ from rel_helpers import FIGURES, MODEL_NAME, children_of, pid_alive, rss_kib, ss
 CMPL = "/v1/completions"
 NUM_CLIENTS = 32
 DEFAULT_DURATION_S = float(os.environ.get("KVTIDE_LOAD_SECONDS", "60"))
-LONG_DURATION_S = 300.0
+LONG_DURATION_S = 150.0
 HUNG_S = 120.0
 ABORT_FRACTION = 0.2
 
