@@ -172,7 +172,8 @@ BAD = [
     ("not an object schema", _body(tools=[{"name": "f", "input_schema": {"type": "string"}}],
                                    tool_choice={"type": "any"}), 400),
     ("too many tokens", _body(max_tokens=100_000), 400),
-    ("not JSON", None, 400),
+    ("not JSON", b"{nope", 400),
+    ("not UTF-8", b"\xea\x81\xd1", 400),
     ("unknown model", _body(model="claude-nope"), 404),
 ]
 
@@ -180,8 +181,8 @@ BAD = [
 @pytest.mark.parametrize("name,body,status", BAD, ids=[c[0] for c in BAD])
 def test_errors_in_anthropics_shape(tools_server, name, body, status):
     with tools_server.client() as http:
-        if body is None:
-            response = http.post("/v1/messages", content=b"{nope", headers={"content-type": "application/json"})
+        if isinstance(body, bytes):
+            response = http.post("/v1/messages", content=body, headers={"content-type": "application/json"})
         else:
             response = http.post("/v1/messages", json=body)
     assert response.status_code == status, response.text

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from kvtide.server.anthropic.errors import error_response
 from kvtide.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -29,6 +30,8 @@ class AnthropicRoute(APIRoute):
                 return await handler(request)
             except RequestValidationError as e:
                 return error_response(validation_error(e))
+            except HTTPException as e:  # e.g. a body that is not JSON: its status, Anthropic's shape
+                return error_response(OpenAIError(str(e.detail), e.status_code, headers=e.headers))
             except Exception as e:
                 error: OpenAIError = from_engine_error(e)
                 error.param = CHAT_PARAMS.get(error.param or "", error.param)
