@@ -4,10 +4,11 @@ names where vLLM has them), parsed and checked before anything starts."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from kvtide.json_flags import json_object_flag
 
 CONNECTORS = ("cpu_offload", "redis", "multi", "p2p")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -72,13 +73,7 @@ def parse_kv_transfer_config(value: str | dict | None, kv_offload_memory: int | 
         if kv_offload_memory is not None:
             return KVTransferConfig("cpu_offload", kv_offload_memory=kv_offload_memory)
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object")
+    value = json_object_flag(value, "--kv-transfer-config")
     known = {f.name: f for f in fields(KVTransferConfig)}
     unknown = sorted(set(value) - set(known) - {"kv_connector_extra_config"})
     if unknown:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvtide.json_flags import json_object_flag
 
 PUBLISHERS = ("null", "zmq")
 
@@ -37,13 +38,7 @@ def parse_kv_events_config(value: str | dict | None) -> KVEventsConfig | None:
     """The config of a JSON text or a dict; None when events are off. ValueError names a bad field."""
     if value is None or value == "":
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
+    value = json_object_flag(value, "--kv-events-config")
     known = {f.name: f for f in fields(KVEventsConfig)}
     unknown = sorted(set(value) - set(known))
     if unknown:

@@ -179,7 +179,7 @@ def test_reset_clears_every_block(events_llm):
     ('{"enable_kv_cache_events": true, "endpoint": "localhost"}', "endpoint must be a ZMQ address"),
     ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps must be a positive integer"),
     ('{"enable_kv_cache_events": true, "topik": "x"}', "unknown field"),
-    ("{not json", "not JSON"),
+    ("{not json", "not valid JSON"),
 ])
 def test_bad_configs_are_refused(config, message):
     from kvtide.kv_events import parse_kv_events_config

@@ -111,13 +111,13 @@ def test_constraint_waits_for_the_reasoning_end():
     end_ids = build_byte_tokenizer().encode("</think>", add_special_tokens=False)
     assert serving.state.parsers.reasoning_end_token_ids == end_ids
     request = _request(guided_regex="[0-9]+")
-    structured, source = serving._constraint(request, plan_tools(request, False), reasoning=True)
+    structured, source = serving.constraint_for(request, plan_tools(request, False), reasoning=True)
     assert source == "guided_regex" and structured.regex == "[0-9]+"
     assert structured.reasoning_end_token_ids == end_ids
-    structured, _ = serving._constraint(request, plan_tools(request, False), reasoning=False)
+    structured, _ = serving.constraint_for(request, plan_tools(request, False), reasoning=False)
     assert structured.reasoning_end_token_ids is None
     named = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    structured, source = serving._constraint(named, plan_tools(named, False), reasoning=True)
+    structured, source = serving.constraint_for(named, plan_tools(named, False), reasoning=True)
     assert source == "tools" and structured.reasoning_end_token_ids == end_ids
 
 
@@ -128,8 +128,8 @@ def test_constraint_waits_for_the_reasoning_end():
     ("<|assistant|><think>a</think>old answer\n<|user|>hi\n<|assistant|><think>\n", True),
 ])
 def test_a_prompt_that_closed_the_reasoning_turns_the_parser_off(prompt, active):
-    assert (_serving()._reasoning_parser(prompt) is not None) == active
-    assert _serving(None)._reasoning_parser(prompt) is None
+    assert (_serving().reasoning_parser_for(prompt) is not None) == active
+    assert _serving(None).reasoning_parser_for(prompt) is None
 
 
 class _NoThinkTokenizer:

@@ -116,10 +116,10 @@ async def start_turn(state: ServerState, request: ChatCompletionRequest, raw_req
     except ValueError as e:
         raise from_value_error(e, param="messages") from e
     max_tokens = resolve_max_tokens(request.max_completion_tokens, len(prompt_ids), state.max_model_len, "messages")
-    reasoning = serving._reasoning_parser(prompt_text)
-    structured, source = serving._constraint(request, plan, reasoning is not None)
+    reasoning = serving.reasoning_parser_for(prompt_text)
+    structured, source = serving.constraint_for(request, plan, reasoning is not None)
     params = build_sampling_params(request, max_tokens, None, structured)
-    if params.skip_special_tokens and serving._needs_special_tokens(plan, reasoning is not None):
+    if params.skip_special_tokens and serving.needs_special_tokens(plan, reasoning is not None):
         params = params.clone(skip_special_tokens=False)
     await check_constraint_off_loop(state.engine, params, source)
     stream = merge_streams([state.engine.generate({"prompt_token_ids": prompt_ids}, params,

@@ -216,10 +216,10 @@ class ChatServing:
             else request.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        reasoning = self._reasoning_parser(prompt_text)
-        structured, source = self._constraint(request, plan, reasoning is not None)
+        reasoning = self.reasoning_parser_for(prompt_text)
+        structured, source = self.constraint_for(request, plan, reasoning is not None)
         params = build_sampling_params(request, max_tokens, top_logprobs, structured)
-        if params.skip_special_tokens and self._needs_special_tokens(plan, reasoning is not None):
+        if params.skip_special_tokens and self.needs_special_tokens(plan, reasoning is not None):
             params = params.clone(skip_special_tokens=False)
         await check_constraint_off_loop(state.engine, params, source)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -247,13 +247,13 @@ class ChatServing:
             raise constraint_error(e, source) from e
         return JSONResponse(body)
 
-    def _reasoning_parser(self, prompt_text: str) -> Any | None:
+    def reasoning_parser_for(self, prompt_text: str) -> Any | None:
         """The server's reasoning parser, unless the prompt already closed the reasoning section
         (e.g. Qwen3 with thinking off): then the whole output is the answer."""
         parser = self.state.parsers.reasoning_parser
         return None if parser is None or parser.closed_by_prompt(prompt_text) else parser
 
-    def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,
+    def constraint_for(self, request: ChatCompletionRequest, plan: ToolPlan,
                     reasoning: bool) -> tuple[StructuredOutputsParams | None, str | None]:
         """The output constraint (from the request's fields or its tool_choice) and where it came
         from; with a reasoning parser it applies only after the reasoning section ends."""
@@ -270,7 +270,7 @@ class ChatServing:
                 structured, reasoning_end_token_ids=self.state.parsers.reasoning_end_token_ids)
         return structured, source
 
-    def _needs_special_tokens(self, plan: ToolPlan, reasoning: bool) -> bool:
+    def needs_special_tokens(self, plan: ToolPlan, reasoning: bool) -> bool:
         """Keep special tokens in the text when the parser's markers are special tokens."""
         parsers = self.state.parsers
         return (plan.mode == "auto" and parsers.tool_parser_name in SPECIAL_MARKER_TOOL_PARSERS) or \
